@@ -1,0 +1,1 @@
+"""vLLM glue: the connector class, the push worker and the seams they use."""

@@ -1,0 +1,82 @@
+"""A pass-through wrapper around the worker's NIXL agent.
+
+It observes the two agent calls a handshake is made of (`add_remote_agent` and
+`prep_xfer_dlist`) for the handshake record of the current thread, so we measure
+what NIXL was actually asked to do rather than trusting a flag. Every other
+attribute is bound straight to the real agent on first use: the transfer hot path
+(make_prepped_xfer, transfer, check_xfer_state, get_new_notifs) pays nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from connector.telemetry.record import ActiveRecord
+from connector.vocabulary import DescriptorList, Phase
+
+logger = logging.getLogger(__name__)
+
+# NIXL's name for "this agent" when preparing local descriptor lists.
+LOCAL_AGENT_NAME = "NIXL_INIT_AGENT"
+
+
+def count_descriptors(descs: Any) -> int:
+    """Number of descriptors in a NIXL descriptor list (0 if unknown)."""
+    try:
+        return int(descs.descCount())
+    except Exception:
+        try:
+            return len(descs)
+        except Exception:
+            return 0
+
+
+class NixlAgentProbe:
+    """Wraps a `nixl_agent`; see module docstring."""
+
+    def __init__(self, agent: Any):
+        object.__setattr__(self, "_agent", agent)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._agent, name)
+        # Cache bound methods and attributes on the wrapper: later lookups are
+        # plain attribute hits, no __getattr__ round trip.
+        object.__setattr__(self, name, value)
+        return value
+
+    @property
+    def wrapped(self) -> Any:
+        return self._agent
+
+    def add_remote_agent(self, metadata: bytes) -> Any:
+        record = ActiveRecord.get()
+        if record is None:
+            return self._agent.add_remote_agent(metadata)
+        resume = record.current_phase
+        record.enter(Phase.AGENT_LOAD)
+        try:
+            return self._agent.add_remote_agent(metadata)
+        finally:
+            # Whatever ran before the agent load (the transfer plan) resumes after it.
+            if resume is not None and resume is not Phase.AGENT_LOAD:
+                record.enter(resume)
+
+    def prep_xfer_dlist(self, agent_name: Any, descs: Any, *args: Any, **kwargs: Any) -> Any:
+        record = ActiveRecord.get()
+        if record is None:
+            return self._agent.prep_xfer_dlist(agent_name, descs, *args, **kwargs)
+        record.enter(Phase.DESCRIPTOR_REGISTRATION)
+        handle = self._agent.prep_xfer_dlist(agent_name, descs, *args, **kwargs)
+        which = DescriptorList.LOCAL if agent_name == LOCAL_AGENT_NAME else DescriptorList.REMOTE
+        try:
+            record.count_registration(which, count_descriptors(descs))
+        except Exception:  # telemetry must never break a handshake
+            logger.debug("descriptor counting failed", exc_info=True)
+        return handle
+
+    def get_xfer_descs(self, *args: Any, **kwargs: Any) -> Any:
+        record = ActiveRecord.get()
+        if record is not None:
+            record.enter(Phase.DESCRIPTOR_REGISTRATION)
+        return self._agent.get_xfer_descs(*args, **kwargs)

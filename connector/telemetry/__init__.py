@@ -1,0 +1,1 @@
+"""Telemetry emission: handshake records, worker stats, Prometheus and OTel spans."""

@@ -1,0 +1,239 @@
+"""OpenTelemetry set-up and span emission for the push worker.
+
+Set-up follows vLLM: an already-installed SDK tracer provider (vLLM's worker tracer
+or the user's) is reused; otherwise `--otlp-traces-endpoint` or the standard
+`OTEL_EXPORTER_OTLP_*` variables select an OTLP exporter (gRPC by default,
+`http/protobuf` on request) behind a `BatchSpanProcessor`, so exporting happens on
+the processor's own thread and never blocks the writer or handshake threads. With
+no endpoint, or `OTEL_SDK_DISABLED=true`, tracing is off and every call here is a
+cheap no-op. No function here raises: a telemetry fault is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from connector.telemetry.record import HandshakeRecord
+from connector.vocabulary import SPAN_HANDSHAKE, TRACER_NAME, Attr, Outcome, phase_span_name
+
+logger = logging.getLogger(__name__)
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_setup_lock = threading.Lock()
+_own_provider: Any = None
+
+
+def _env_endpoint() -> str | None:
+    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+
+
+def _protocol() -> str:
+    return (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "grpc"
+    )
+
+
+def make_span_exporter(endpoint: str) -> Any:
+    """OTLP exporter for `endpoint` with the protocol the environment asks for."""
+    protocol = _protocol()
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https"))
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        if not endpoint.rstrip("/").endswith("/v1/traces"):
+            endpoint = endpoint.rstrip("/") + "/v1/traces"
+        return OTLPSpanExporter(endpoint=endpoint)
+    raise ValueError(
+        f"Unsupported OTLP protocol {protocol!r}: use 'grpc' or 'http/protobuf' "
+        "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL)"
+    )
+
+
+def resolve_tracer(otlp_traces_endpoint: str | None = None) -> trace.Tracer | None:
+    """The tracer our spans go to, or None when tracing is off."""
+    global _own_provider
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return None
+    if os.environ.get("OTEL_TRACES_EXPORTER", "").lower() == "none":
+        return None
+    from opentelemetry.sdk.trace import TracerProvider
+
+    installed = trace.get_tracer_provider()
+    if isinstance(installed, TracerProvider):
+        return installed.get_tracer(TRACER_NAME)
+    endpoint = otlp_traces_endpoint or _env_endpoint()
+    if not endpoint:
+        return None
+    with _setup_lock:
+        if _own_provider is None:
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            resource = Resource.create(
+                {"service.name": os.environ.get("OTEL_SERVICE_NAME", "vllm"),
+                 "vllm.process_id": str(os.getpid())}
+            )
+            provider = TracerProvider(resource=resource)
+            provider.add_span_processor(BatchSpanProcessor(make_span_exporter(endpoint)))
+            trace.set_tracer_provider(provider)
+            _own_provider = trace.get_tracer_provider()
+            if not isinstance(_own_provider, TracerProvider):  # someone else won
+                _own_provider = provider
+        return _own_provider.get_tracer(TRACER_NAME)
+
+
+def inject_context(span: Any) -> dict[str, str]:
+    """W3C trace-context carrier for `span` (empty when not recording)."""
+    carrier: dict[str, str] = {}
+    if span is None or not span.is_recording():
+        return carrier
+    try:
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    except Exception:
+        logger.debug("trace context inject failed", exc_info=True)
+    return carrier
+
+
+def extract_context(carrier: Any) -> Any:
+    """Context from a carrier dict; None for a missing or malformed carrier."""
+    if not isinstance(carrier, Mapping) or not carrier:
+        return None
+    try:
+        clean = {str(k): str(v) for k, v in carrier.items()}
+        ctx = _PROPAGATOR.extract(clean)
+        if trace.get_current_span(ctx).get_span_context().is_valid:
+            return ctx
+    except Exception:
+        logger.debug("trace context extract failed", exc_info=True)
+    return None
+
+
+@contextmanager
+def activated(span: Any) -> Iterator[None]:
+    """Make `span` current on this thread for the duration (no-op for None)."""
+    if span is None:
+        yield
+        return
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+class SpanEmitter:
+    """Builds our spans; every method is a no-op when `tracer` is None."""
+
+    def __init__(self, tracer: trace.Tracer | None):
+        self.tracer = tracer
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracer is not None
+
+    def start(self, name: str, parent: Any = None, attributes: Mapping[str, Any] | None = None,
+              kind: SpanKind = SpanKind.INTERNAL) -> Any:
+        """Start a span as a child of `parent` (a span or a context)."""
+        if self.tracer is None:
+            return None
+        try:
+            if parent is not None and not isinstance(parent, otel_context.Context):
+                parent = trace.set_span_in_context(parent)
+            return self.tracer.start_span(name, context=parent, kind=kind,
+                                          attributes=dict(attributes or {}))
+        except Exception:
+            logger.debug("span start failed", exc_info=True)
+            return None
+
+    @staticmethod
+    def end(span: Any, error_type: str | None = None, message: str = "",
+            attributes: Mapping[str, Any] | None = None) -> None:
+        if span is None:
+            return
+        try:
+            if span.is_recording():
+                if attributes:
+                    span.set_attributes(dict(attributes))
+                if error_type is not None:
+                    span.set_attribute(Attr.ERROR_TYPE, error_type)
+                    span.set_status(Status(StatusCode.ERROR, message[:300] or error_type))
+            span.end()
+        except Exception:
+            logger.debug("span end failed", exc_info=True)
+
+    def emit_handshake(self, record: HandshakeRecord) -> None:
+        """One handshake span plus one child per phase segment, with real times."""
+        if self.tracer is None:
+            return
+        try:
+            self._emit_handshake(record)
+        except Exception:
+            logger.debug("handshake span emission failed", exc_info=True)
+
+    def _emit_handshake(self, record: HandshakeRecord) -> None:
+        assert self.tracer is not None
+        failed = record.outcome is Outcome.FAILURE
+        attrs = {
+            Attr.NOTIF_AGENTS_ONLY: record.notif_only,
+            Attr.DIRECTION: record.direction.value,
+            Attr.TRIGGER: record.trigger.value,
+            Attr.OUTCOME: (record.outcome or Outcome.FAILURE).value,
+            Attr.UPGRADE: record.upgrade,
+            Attr.REMOTE_ENGINE_ID: record.remote_engine_id,
+            Attr.LOCAL_ENGINE_ID: record.local_engine_id,
+            Attr.SERVER_ADDRESS: record.host,
+            Attr.SERVER_PORT: record.port,
+            Attr.REMOTE_TP_SIZE: record.remote_tp_size,
+            Attr.REMOTE_PP_SIZE: record.remote_pp_size,
+            Attr.LOCAL_TP_RANK: record.local_tp_rank,
+            Attr.DESCRIPTOR_REGISTRATIONS: sum(record.registrations.values()),
+            Attr.DESCRIPTORS_REGISTERED: sum(record.descriptors.values()),
+            Attr.DESCRIPTOR_REGISTRATIONS_SAVED: record.saved_registrations,
+            Attr.DESCRIPTORS_SAVED: record.saved_descriptors,
+        }
+        if failed and record.error_type is not None:
+            attrs[Attr.ERROR_TYPE] = record.error_type.value
+        span = self.tracer.start_span(
+            SPAN_HANDSHAKE, context=record.parent_context, kind=SpanKind.CLIENT,
+            start_time=record.submitted_ns, attributes=attrs,
+        )
+        parent = trace.set_span_in_context(span)
+        last = len(record.segments) - 1
+        for i, seg in enumerate(record.segments):
+            seg_attrs: dict[str, Any] = {
+                Attr.NOTIF_AGENTS_ONLY: record.notif_only,
+                Attr.PHASE: seg.phase.value,
+            }
+            if seg.remote_tp_rank is not None:
+                seg_attrs[Attr.REMOTE_TP_RANK] = seg.remote_tp_rank
+            if seg.remote_pp_rank is not None:
+                seg_attrs[Attr.REMOTE_PP_RANK] = seg.remote_pp_rank
+            child = self.tracer.start_span(
+                phase_span_name(seg.phase), context=parent, start_time=seg.start_ns,
+                attributes=seg_attrs,
+            )
+            if failed and i == last and record.error_type is not None:
+                child.set_attribute(Attr.ERROR_TYPE, record.error_type.value)
+                child.set_status(Status(StatusCode.ERROR, record.error_message[:300]))
+            child.end(end_time=max(seg.end_ns, seg.start_ns))
+        if failed:
+            span.add_event("exception", {"exception.message": record.error_message})
+            span.set_status(Status(StatusCode.ERROR, record.error_message[:300]))
+        span.end(end_time=max(record.ended_ns, record.submitted_ns))

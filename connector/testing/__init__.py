@@ -1,0 +1,1 @@
+"""Test support shipped with the package (in-memory span capture, metric registries)."""

@@ -1,0 +1,123 @@
+"""Build the vLLM objects one push engine needs, by hand, for a config-only model.
+
+No weights are loaded: a worker only needs the model's shape (layers, KV heads,
+head size) to lay out and register its KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HEAD_DIM = 32
+NUM_KV_HEADS = 2
+
+STOCK = "stock"
+FORK = "fork"
+
+
+@dataclass
+class EngineSpec:
+    """One engine of the harness (one process: scheduler-role listener + one worker)."""
+
+    name: str
+    engine_id: str
+    kv_role: str  # kv_producer | kv_consumer | kv_both
+    side_channel_port: int
+    connector: str = FORK  # fork | stock
+    num_layers: int = 2
+    num_blocks: int = 128
+    block_size: int = 32
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    # None (off) | "memory" (in-process exporter) | {"endpoint": ..., "protocol": ...}
+    tracing: Any = None
+    workdir: str = "/tmp"
+
+
+def write_model_dir(root: Path, num_layers: int) -> Path:
+    """A config-only tiny Llama (no weights, no tokenizer)."""
+    path = root / f"tiny-llama-{num_layers}l"
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+        "num_hidden_layers": num_layers, "vocab_size": 256,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "torch_dtype": "float32", "tie_word_embeddings": False,
+    }
+    target = path / "config.json"
+    text = json.dumps(config, indent=1)
+    if not target.exists() or target.read_text() != text:
+        target.write_text(text)
+    return path
+
+
+def connector_settings(spec: EngineSpec) -> tuple[str, str | None]:
+    """(kv_connector, kv_connector_module_path) for the fork or the stock class."""
+    if spec.connector == FORK:
+        return "NixlPushConnector", "connector"
+    if spec.connector == STOCK:
+        return "NixlPushConnector", None
+    raise ValueError(f"unknown connector {spec.connector!r}: use 'fork' or 'stock'")
+
+
+def build_vllm_config(spec: EngineSpec) -> Any:
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        VllmConfig,
+    )
+
+    model_dir = write_model_dir(Path(spec.workdir), spec.num_layers)
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
+                        max_model_len=2048, enforce_eager=True)
+    cache = CacheConfig(block_size=spec.block_size)
+    cache.kv_cache_layout = "LBHNC"  # the only layout of the CPU attention backend
+    name, module_path = connector_settings(spec)
+    kv = KVTransferConfig(kv_connector=name, kv_connector_module_path=module_path,
+                          kv_role=spec.kv_role, engine_id=spec.engine_id,
+                          kv_buffer_device="cpu", kv_connector_extra_config=dict(spec.extra_config))
+    return VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=kv,
+                      device_config=DeviceConfig("cpu"))
+
+
+def build_kv_cache_config(spec: EngineSpec) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    attn = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=NUM_KV_HEADS,
+                             head_size=HEAD_DIM, dtype=torch.float32)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)]
+    page = attn.page_size_bytes
+    tensor = KVCacheTensor(size=page * spec.num_blocks * spec.num_layers, layers=layers,
+                           layer_stride=page * spec.num_blocks, block_stride=page)
+    return KVCacheConfig(num_blocks=spec.num_blocks, kv_cache_tensors=[tensor],
+                         kv_cache_groups=[KVCacheGroupSpec(layers, attn)])
+
+
+def engine_env(spec: EngineSpec) -> dict[str, str]:
+    """Environment an engine process needs before vLLM is imported."""
+    env = {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(Path(spec.workdir) / "vllm-cache")),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
+    if isinstance(spec.tracing, dict):
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = spec.tracing["endpoint"]
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = spec.tracing.get("protocol", "grpc")
+        env["OTEL_SERVICE_NAME"] = f"vllm-{spec.name}"
+        env["OTEL_BSP_SCHEDULE_DELAY"] = "200"
+    return env

@@ -1,0 +1,275 @@
+"""One harness engine, run in its own OS process.
+
+It holds what a vLLM engine holds for push mode: the scheduler-role connector (its
+side-channel listener serves our NIXL metadata), one worker-role connector with a
+real KV cache in CPU memory, and an engine loop that, like vLLM's engine core, feeds
+the worker a `NixlConnectorMetadata` each step and collects transfer results and
+connector stats. The parent drives it with commands over a pipe.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from harness.config import EngineSpec, build_kv_cache_config, build_vllm_config, engine_env
+
+STEP_INTERVAL_S = 0.001
+# vLLM's scheduler sends heartbeats every kv_lease_duration // 6 s (30 s lease -> 5 s).
+HEARTBEAT_INTERVAL_S = 5.0
+SENTINEL = 7.0  # value of every KV element no push wrote
+
+
+class NixlCallLog:
+    """Records what the worker asked its NIXL agent to do (wraps whatever agent it has)."""
+
+    def __init__(self, agent: Any):
+        object.__setattr__(self, "_agent", agent)
+        object.__setattr__(self, "calls", [])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def add_remote_agent(self, metadata: bytes) -> Any:
+        name = self._agent.add_remote_agent(metadata)
+        self.calls.append(("add_remote_agent", _text(name), 0))
+        return name
+
+    def prep_xfer_dlist(self, agent_name: Any, descs: Any, *args: Any, **kwargs: Any) -> Any:
+        handle = self._agent.prep_xfer_dlist(agent_name, descs, *args, **kwargs)
+        self.calls.append(("prep_xfer_dlist", _text(agent_name), int(descs.descCount())))
+        return handle
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Engine:
+    def __init__(self, spec: EngineSpec):
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        self.spec = spec
+        self.torch = torch
+        self.vllm_config = build_vllm_config(spec)
+        self.kv_cache_config = build_kv_cache_config(spec)
+        self._config_ctx = set_current_vllm_config(self.vllm_config)
+        self._config_ctx.__enter__()
+        init_file = tempfile.mktemp(prefix="harness-dist-", dir=spec.workdir)
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{init_file}")
+        initialize_model_parallel(1, 1)
+
+        cls = KVConnectorFactory.get_connector_class(self.vllm_config.kv_transfer_config)
+        affinity = os.sched_getaffinity(0)
+        try:
+            self.worker_connector = cls(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        finally:
+            # vLLM's CPU worker pins the whole process to one core: undo it.
+            os.sched_setaffinity(0, affinity)
+        self.scheduler_connector = cls(self.vllm_config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+        self.worker = self.worker_connector.connector_worker
+        self.caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+        for cache in self.caches.values():
+            cache.fill_(SENTINEL)
+        self.worker_connector.register_kv_caches(self.caches)
+        self.nixl_log = NixlCallLog(self.worker.nixl_wrapper)
+        self.worker.nixl_wrapper = self.nixl_log
+        payload = self.worker_connector.get_handshake_metadata()
+        self.scheduler_connector.set_xfer_handshake_metadata_pp_aware({(0, 0): payload})
+
+        self.pending_meta = self._new_meta()
+        self.stats: list[dict[str, Any]] = []
+        self.finished_recving: dict[str, float] = {}
+        self.failed_recving: set[str] = set()
+        self.finished_sending: dict[str, float] = {}
+        self.heartbeats: dict[str, Any] = {}
+        self.last_heartbeat = 0.0
+
+    # ------------------------------------------------------------------ steps
+    def _new_meta(self) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+        return NixlConnectorMetadata()
+
+    def step(self) -> None:
+        meta = self.pending_meta
+        self.pending_meta = self._new_meta()
+        meta.scheduler_clock = time.perf_counter()
+        now = time.perf_counter()
+        if self.heartbeats and now - self.last_heartbeat >= HEARTBEAT_INTERVAL_S:
+            meta.heartbeat_by_engine = dict(self.heartbeats)
+        if meta.heartbeat_by_engine:
+            self.last_heartbeat = now
+        self.worker_connector.bind_connector_metadata(meta)
+        self.worker_connector.start_load_kv(None)
+        self.worker_connector.clear_connector_metadata()
+        results = self.worker_connector.get_transfer_results(set())
+        now = time.perf_counter()
+        for req_id in results.finished_recving:
+            self.finished_recving[req_id] = now
+        self.failed_recving |= set(results.failed_recving)
+        for req_id in results.finished_sending:
+            self.finished_sending[req_id] = now
+        stats = self.worker_connector.get_kv_connector_stats()
+        if stats is not None:
+            self.stats.append(stats.to_dict())
+
+    # ---------------------------------------------------------------- commands
+    def cmd_info(self) -> dict[str, Any]:
+        return {"engine_id": self.spec.engine_id, "host": "127.0.0.1",
+                "port": self.spec.side_channel_port, "pid": os.getpid(),
+                "num_blocks": self.spec.num_blocks, "num_layers": self.spec.num_layers,
+                "affinity": sorted(os.sched_getaffinity(0))}
+
+    def cmd_fill(self, block_ids: list[int], seed: int) -> None:
+        """Write deterministic data into blocks (what a prefill would have computed)."""
+        gen = self.torch.Generator().manual_seed(seed)
+        for cache in self.caches.values():
+            for b in block_ids:
+                cache[b].copy_(self.torch.randn(cache[b].shape, generator=gen))
+
+    def cmd_digest(self, block_ids: list[int]) -> list[str]:
+        """One hash per block over every layer's bytes of that block."""
+        out = []
+        for b in block_ids:
+            h = hashlib.sha256()
+            for name in sorted(self.caches):
+                h.update(self.caches[name][b].contiguous().numpy().tobytes())
+            out.append(h.hexdigest())
+        return out
+
+    def cmd_untouched(self, exclude: list[int]) -> list[int]:
+        """Blocks outside `exclude` whose contents are no longer the sentinel."""
+        skip = set(exclude)
+        dirty = []
+        for b in range(self.spec.num_blocks):
+            if b in skip:
+                continue
+            if any(bool((cache[b] != SENTINEL).any()) for cache in self.caches.values()):
+                dirty.append(b)
+        return dirty
+
+    def cmd_register(self, req_id: str, block_ids: list[int], prefill: dict[str, Any],
+                     remote_request_id: str, with_heartbeat: bool) -> None:
+        """D side: what the push scheduler hands the worker after allocating blocks."""
+        reg = {
+            "request_id": req_id, "decode_engine_id": self.spec.engine_id,
+            "decode_host": "127.0.0.1", "decode_port": self.spec.side_channel_port,
+            "decode_tp_size": 1, "local_block_ids": (list(block_ids),),
+            "remote_engine_id": prefill["engine_id"], "remote_host": prefill["host"],
+            "remote_port": prefill["port"], "remote_tp_size": 1, "remote_pp_size": 1,
+        }
+        params = {"remote_block_ids": (), "remote_engine_id": prefill["engine_id"],
+                  "remote_request_id": remote_request_id, "remote_host": prefill["host"],
+                  "remote_port": prefill["port"], "tp_size": 1, "pp_size": 1}
+        self.pending_meta.push_registrations[req_id] = reg
+        self.pending_meta.add_new_req_to_recv(req_id, (list(block_ids),), params)
+        if with_heartbeat:
+            self._track_heartbeat(prefill, remote_request_id)
+
+    def _track_heartbeat(self, prefill: dict[str, Any], remote_request_id: str) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo
+
+        info = self.heartbeats.get(prefill["engine_id"])
+        if info is None:
+            info = HeartbeatInfo(req_ids=set(), host=prefill["host"], port=prefill["port"], tp_size=1)
+            self.heartbeats[prefill["engine_id"]] = info
+        info.req_ids.add(remote_request_id)
+        # The scheduler sends heartbeats on the first step after a request arrives.
+        self.pending_meta.heartbeat_by_engine = dict(self.heartbeats)
+
+    def cmd_heartbeat(self, prefill: dict[str, Any], remote_request_id: str) -> None:
+        self._track_heartbeat(prefill, remote_request_id)
+
+    def cmd_stop_heartbeats(self) -> None:
+        self.heartbeats.clear()
+
+    def cmd_finish(self, req_id: str, block_ids: list[int], lease_s: float) -> None:
+        """P side: a finished prefill whose blocks wait for D's registration."""
+        meta = self.pending_meta
+        meta.reqs_in_batch.add(req_id)
+        meta.push_finished_blocks[req_id] = (list(block_ids),)
+        meta.reqs_to_send[req_id] = time.perf_counter() + lease_s
+
+    def cmd_results(self) -> dict[str, Any]:
+        return {"finished_recving": dict(self.finished_recving),
+                "failed_recving": sorted(self.failed_recving),
+                "finished_sending": dict(self.finished_sending)}
+
+    def cmd_stats(self) -> list[dict[str, Any]]:
+        out, self.stats = self.stats, []
+        return out
+
+    def cmd_nixl_calls(self) -> list[tuple[str, str, int]]:
+        return list(self.nixl_log.calls)
+
+    def cmd_connections(self) -> dict[str, Any]:
+        w = self.worker
+        return {
+            "remote_agents": {eid: len(a) for eid, a in dict(w._remote_agents).items()},
+            "dst_handles": {eid: len(h) for eid, h in dict(w.dst_xfer_side_handles).items()},
+            "notif_only": sorted(getattr(w, "_notif_only_engines", ())),
+        }
+
+    def cmd_spans(self) -> list[dict[str, Any]]:
+        from connector.testing.spans import flush_and_collect
+
+        return flush_and_collect()
+
+    def cmd_now(self) -> float:
+        return time.perf_counter()
+
+    def shutdown(self) -> None:
+        for conn in (self.worker_connector, self.scheduler_connector):
+            try:
+                conn.shutdown()
+            except Exception:
+                pass
+        # Drop the worker now, while modules are alive: vLLM's __del__ shuts down
+        # again and fails noisily if it only runs at interpreter teardown.
+        self.worker_connector.connector_worker = None
+        self.worker = None
+        self.nixl_log = None
+        gc.collect()
+
+
+def engine_main(spec: EngineSpec, conn: Connection) -> None:
+    """Process entry point: set up, then serve commands while stepping."""
+    os.environ.update(engine_env(spec))
+    try:
+        if spec.tracing == "memory":
+            from connector.testing.spans import install_memory_tracer
+
+            install_memory_tracer(service_name=f"vllm-{spec.name}")
+        engine = Engine(spec)
+    except BaseException as exc:  # report why, instead of a silent dead child
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    conn.send(("ok", engine.cmd_info()))
+    try:
+        while True:
+            if conn.poll(STEP_INTERVAL_S):
+                name, args = conn.recv()
+                if name == "stop":
+                    break
+                try:
+                    conn.send(("ok", getattr(engine, f"cmd_{name}")(*args)))
+                except Exception as exc:
+                    conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            engine.step()
+    finally:
+        engine.shutdown()
+        conn.send(("ok", None))

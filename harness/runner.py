@@ -1,0 +1,243 @@
+"""Parent side of the harness: start engine processes, drive pushes, verify bytes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.config import FORK, EngineSpec
+from harness.engine import engine_main
+
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineError(RuntimeError):
+    """An engine process reported an error or died."""
+
+
+class EngineHandle:
+    """A running engine process and the command pipe to it."""
+
+    def __init__(self, spec: EngineSpec):
+        ctx = mp.get_context("spawn")
+        self.spec = spec
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=engine_main, args=(spec, child),
+                                   name=f"harness-{spec.name}", daemon=True)
+        self.process.start()
+        child.close()
+        self.info: dict[str, Any] = {}
+        self._next_block = 0
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> dict[str, Any]:
+        self.info = self._receive(timeout)
+        return self.info
+
+    def _receive(self, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise EngineError(f"engine {self.spec.name} did not answer within {timeout:.0f}s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError as exc:
+            raise EngineError(f"engine {self.spec.name} exited "
+                              f"(code {self.process.exitcode})") from exc
+        if status != "ok":
+            raise EngineError(f"engine {self.spec.name}: {value}")
+        return value
+
+    def call(self, name: str, *args: Any, timeout: float = 60.0) -> Any:
+        self._conn.send((name, args))
+        return self._receive(timeout)
+
+    @property
+    def address(self) -> dict[str, Any]:
+        return {"engine_id": self.info["engine_id"], "host": self.info["host"],
+                "port": self.info["port"]}
+
+    def allocate(self, n: int) -> list[int]:
+        """Distinct block ids for one request (block 0 is never handed out)."""
+        total = self.spec.num_blocks - 1
+        if self._next_block + n > total:
+            raise EngineError(f"engine {self.spec.name} ran out of blocks "
+                              f"({total} usable); raise num_blocks")
+        ids = list(range(1 + self._next_block, 1 + self._next_block + n))
+        self._next_block += n
+        return ids
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._conn.send(("stop", ()))
+                self._receive(10.0)
+            except Exception:
+                pass
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+@dataclass
+class PushReport:
+    """What happened to a batch of pushes."""
+
+    requests: list[str]
+    latencies_s: dict[str, float]
+    verified: int
+    mismatched: list[str]
+    failed: list[str]
+    dirty_blocks: list[int]
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def median_latency_s(self) -> float:
+        return statistics.median(self.latencies_s.values()) if self.latencies_s else float("nan")
+
+    @property
+    def ok(self) -> bool:
+        return (not self.mismatched and not self.failed and not self.dirty_blocks
+                and self.verified == len(self.requests))
+
+
+class PushHarness:
+    """A set of engine processes plus the driver for the push flow.
+
+    Typical use: `with PushHarness.pd() as h: report = h.push(20)`.
+    """
+
+    def __init__(self, specs: list[EngineSpec]):
+        self.specs = {s.name: s for s in specs}
+        self.engines: dict[str, EngineHandle] = {}
+        self._seed = 0
+        self._written: dict[str, list[int]] = {}
+
+    @classmethod
+    def pd(cls, *, connector: str = FORK, prefill_connector: str | None = None,
+           decode_connector: str | None = None, num_layers: int = 2, num_blocks: int = 128,
+           block_size: int = 32, extra_config: dict[str, Any] | None = None,
+           tracing: Any = None, workdir: str | None = None,
+           roles: tuple[str, str] = ("kv_producer", "kv_consumer")) -> PushHarness:
+        """One prefill engine `P` and one decode engine `D`."""
+        work = workdir or tempfile.mkdtemp(prefix="push-harness-")
+        common = dict(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                      extra_config=dict(extra_config or {}), tracing=tracing, workdir=work)
+        run = secrets.token_hex(3)
+        return cls([
+            EngineSpec(name="P", engine_id=f"prefill-{run}", kv_role=roles[0],
+                       side_channel_port=free_port(), connector=prefill_connector or connector,
+                       **common),
+            EngineSpec(name="D", engine_id=f"decode-{run}", kv_role=roles[1],
+                       side_channel_port=free_port(), connector=decode_connector or connector,
+                       **common),
+        ])
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> PushHarness:
+        Path(next(iter(self.specs.values())).workdir).mkdir(parents=True, exist_ok=True)
+        for name, spec in self.specs.items():
+            self.engines[name] = EngineHandle(spec)
+        try:
+            for handle in self.engines.values():
+                handle.wait_ready()
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        # Decode engines first, so nobody notifies an engine that is gone.
+        for handle in sorted(self.engines.values(), key=lambda h: h.spec.kv_role != "kv_consumer"):
+            handle.stop()
+
+    def __enter__(self) -> PushHarness:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __getitem__(self, name: str) -> EngineHandle:
+        return self.engines[name]
+
+    # ---------------------------------------------------------------- pushes
+    def push(self, n_requests: int, *, prefill: str = "P", decode: str = "D",
+             blocks_per_request: int = 2, heartbeat: bool = True, lease_s: float = 30.0,
+             timeout_s: float = 60.0, verify: bool = True) -> PushReport:
+        """Drive `n_requests` through the real push flow and verify D's bytes.
+
+        Per request, the way vLLM's schedulers would: D allocates blocks and hands
+        the worker the registration (plus a heartbeat on its first step, as the
+        D scheduler does); P finishes the prefill and hands over the blocks. Both
+        are sent together, so PUSH_REG and finished blocks meet in either order.
+        """
+        p, d = self.engines[prefill], self.engines[decode]
+        pairs: list[tuple[str, str, list[int], list[int]]] = []
+        for _ in range(n_requests):
+            base = f"cmpl-{secrets.token_hex(6)}"
+            p_id, d_id = f"{base}-{secrets.token_hex(4)}", f"{base}-{secrets.token_hex(4)}"
+            p_blocks, d_blocks = p.allocate(blocks_per_request), d.allocate(blocks_per_request)
+            self._seed += 1
+            p.call("fill", p_blocks, self._seed)
+            pairs.append((p_id, d_id, p_blocks, d_blocks))
+        started: dict[str, float] = {}
+        for p_id, d_id, p_blocks, d_blocks in pairs:
+            started[d_id] = d.call("now")
+            d.call("register", d_id, d_blocks, p.address, p_id, heartbeat)
+            p.call("finish", p_id, p_blocks, lease_s)
+        d_ids = {pair[1] for pair in pairs}
+        deadline = time.monotonic() + timeout_s
+        results: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            results = d.call("results")
+            if d_ids <= set(results["finished_recving"]):
+                break
+            time.sleep(0.01)
+        finished = results.get("finished_recving", {})
+        failed = sorted((d_ids - set(finished)) | (d_ids & set(results.get("failed_recving", []))))
+        latencies = {d_id: finished[d_id] - started[d_id] for d_id in d_ids
+                     if d_id in finished and d_id not in failed}
+        mismatched: list[str] = []
+        verified = 0
+        dirty: list[int] = []
+        if verify:
+            for _, d_id, p_blocks, d_blocks in pairs:
+                if d_id in failed:
+                    continue
+                if p.call("digest", p_blocks) == d.call("digest", d_blocks):
+                    verified += 1
+                else:
+                    mismatched.append(d_id)
+            written = self._written.setdefault(decode, [])
+            written.extend(b for pair in pairs for b in pair[3])
+            dirty = d.call("untouched", written)
+        return PushReport(requests=[pair[1] for pair in pairs], latencies_s=latencies,
+                          verified=verified, mismatched=mismatched, failed=failed,
+                          dirty_blocks=dirty, pairs=[(pair[0], pair[1]) for pair in pairs])
+
+    def wait_for(self, engine: str, predicate: Any, command: str = "connections",
+                 timeout_s: float = 30.0) -> Any:
+        """Poll `command` on an engine until `predicate(result)` holds."""
+        deadline = time.monotonic() + timeout_s
+        value = None
+        while time.monotonic() < deadline:
+            value = self.engines[engine].call(command)
+            if predicate(value):
+                return value
+            time.sleep(0.01)
+        raise TimeoutError(f"{engine}: {command} never satisfied the condition; last={value}")
+
+    def stats(self, engine: str) -> list[dict[str, Any]]:
+        """Connector stats dicts the engine's worker produced since the last call."""
+        return self.engines[engine].call("stats")
