@@ -238,6 +238,20 @@ class PushHarness:
             time.sleep(0.01)
         raise TimeoutError(f"{engine}: {command} never satisfied the condition; last={value}")
 
+    def frontend(self, engine: str) -> Any:
+        """A vLLM-API-server-like metrics front end for one engine (see harness.frontend)."""
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        from harness.config import connector_settings
+        from harness.frontend import Frontend
+
+        spec = self.specs[engine]
+        name, module_path = connector_settings(spec)
+        kv = KVTransferConfig(kv_connector=name, kv_connector_module_path=module_path,
+                              kv_role=spec.kv_role, engine_id=spec.engine_id)
+        return Frontend(KVConnectorFactory.get_connector_class(kv), kv)
+
     def stats(self, engine: str) -> list[dict[str, Any]]:
         """Connector stats dicts the engine's worker produced since the last call."""
         return self.engines[engine].call("stats")
