@@ -156,7 +156,8 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     Label.DIRECTION: tuple(d.value for d in Direction),
     Label.TRIGGER: tuple(t.value for t in Trigger),
     Label.NOTIF_AGENTS_ONLY: BOOL_VALUES,
-    Label.OUTCOME: tuple(o.value for o in Outcome) + tuple(o.value for o in NotifOutcome),
+    Label.OUTCOME: tuple(dict.fromkeys(
+        [o.value for o in Outcome] + [o.value for o in NotifOutcome] + [e.value for e in PushEvent])),
     Label.PHASE: tuple(p.value for p in Phase),
     Label.ERROR_TYPE: tuple(e.value for e in ErrorType),
     Label.LIST: tuple(x.value for x in DescriptorList),

@@ -229,6 +229,10 @@ class Engine:
 
         return flush_and_collect()
 
+    def cmd_tracing_enabled(self) -> bool:
+        spans = getattr(self.worker, "_spans", None)
+        return bool(spans is not None and spans.enabled)
+
     def cmd_now(self) -> float:
         return time.perf_counter()
 

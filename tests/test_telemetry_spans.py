@@ -1,0 +1,87 @@
+"""Spans from a real two-process push, captured in memory (TestBase style)."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.vocabulary import (
+    SPAN_HANDSHAKE,
+    SPAN_PUSH_RECEIVE,
+    SPAN_PUSH_REGISTER,
+    SPAN_PUSH_WRITE,
+    Attr,
+    Phase,
+    phase_span_name,
+)
+
+pytestmark = pytest.mark.real
+
+NOTIF_ONLY_PHASES = [Phase.QUEUE_WAIT, Phase.METADATA_FETCH, Phase.METADATA_DECODE, Phase.AGENT_LOAD]
+
+
+def by_name(spans, name):
+    return [s for s in spans if s["name"] == name]
+
+
+def children(spans, parent):
+    return [s for s in spans if s["parent_span_id"] == parent["span_id"]]
+
+
+def test_d_to_p_handshake_span_is_notification_only_with_its_phases(trio):
+    spans = trio.facts["spans"]["D"]
+    [hs] = by_name(spans, SPAN_HANDSHAKE)
+    a = hs["attributes"]
+    assert a[Attr.NOTIF_AGENTS_ONLY] is True
+    assert a[Attr.DIRECTION] == "d_to_p" and a[Attr.TRIGGER] == "heartbeat"
+    assert a[Attr.OUTCOME] == "success" and hs["status"] == "UNSET"
+    assert a[Attr.REMOTE_ENGINE_ID] == "prefill-trio"
+    assert a[Attr.SERVER_ADDRESS] == "127.0.0.1"
+    assert a[Attr.SERVER_PORT] == trio.harness["P"].info["port"]
+    assert a[Attr.REMOTE_TP_SIZE] == 1 and a[Attr.REMOTE_PP_SIZE] == 1 and a[Attr.LOCAL_TP_RANK] == 0
+    assert a[Attr.DESCRIPTORS_REGISTERED] == 0 and a[Attr.DESCRIPTOR_REGISTRATIONS] == 0
+    assert a[Attr.DESCRIPTOR_REGISTRATIONS_SAVED] == 1 and a[Attr.DESCRIPTORS_SAVED] == 256
+    kids = sorted(children(spans, hs), key=lambda s: s["start"])
+    assert [k["name"] for k in kids] == [phase_span_name(p) for p in NOTIF_ONLY_PHASES]
+    for k in kids:
+        assert k["attributes"][Attr.NOTIF_AGENTS_ONLY] is True
+        assert hs["start"] <= k["start"] <= k["end"] <= hs["end"]
+        assert k["trace_id"] == hs["trace_id"]
+
+
+def test_p_to_d_handshake_span_is_full_with_descriptor_phases(trio):
+    spans = trio.facts["spans"]["P"]
+    [hs] = by_name(spans, SPAN_HANDSHAKE)
+    a = hs["attributes"]
+    assert a[Attr.NOTIF_AGENTS_ONLY] is False
+    assert a[Attr.DIRECTION] == "p_to_d" and a[Attr.TRIGGER] == "push_write"
+    assert a[Attr.DESCRIPTOR_REGISTRATIONS] == 1 and a[Attr.DESCRIPTORS_REGISTERED] == 256
+    assert a[Attr.DESCRIPTORS_SAVED] == 0
+    names = {k["name"] for k in children(spans, hs)}
+    for phase in Phase:
+        assert phase_span_name(phase) in names, phase
+    assert all(k["attributes"][Attr.NOTIF_AGENTS_ONLY] is False for k in children(spans, hs))
+    # Triggered by a WRITE: the handshake sits inside that request's write span.
+    parent = next(s for s in spans if s["span_id"] == hs["parent_span_id"])
+    assert parent["name"] == SPAN_PUSH_WRITE
+
+
+def test_request_spans_form_one_trace_across_both_engines(trio):
+    d_spans, p_spans = trio.facts["spans"]["D"], trio.facts["spans"]["P"]
+    report = trio.facts["report"]
+    receives = {s["attributes"][Attr.REQUEST_ID]: s for s in by_name(d_spans, SPAN_PUSH_RECEIVE)}
+    registers = {s["attributes"][Attr.REQUEST_ID]: s for s in by_name(d_spans, SPAN_PUSH_REGISTER)}
+    writes = {s["attributes"][Attr.REMOTE_REQUEST_ID]: s for s in by_name(p_spans, SPAN_PUSH_WRITE)}
+    assert set(receives) == set(registers) == set(writes) == set(report.requests)
+    for p_id, d_id in report.pairs:
+        rcv, reg, wr = receives[d_id], registers[d_id], writes[d_id]
+        assert rcv["parent_span_id"] is None
+        assert reg["parent_span_id"] == rcv["span_id"]
+        # Context crossed engines inside the PUSH_REG payload.
+        assert wr["parent_span_id"] == reg["span_id"]
+        assert rcv["trace_id"] == reg["trace_id"] == wr["trace_id"]
+        assert wr["attributes"][Attr.REQUEST_ID] == p_id
+        assert wr["service"] == "vllm-P" and rcv["service"] == "vllm-D"
+        for s in (rcv, reg, wr):
+            assert s["status"] != "ERROR" and s["end"] >= s["start"]
+        # D's receive ends after P's write started (KV landed after the WRITE).
+        assert rcv["end"] >= wr["start"]
