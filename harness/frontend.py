@@ -10,6 +10,7 @@ once and then `.observe(stats_dict, engine_idx)` for every scheduler stats updat
 
 from __future__ import annotations
 
+import copy
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -58,7 +59,9 @@ class Frontend:
             acc = None
             for data in stats_dicts:
                 self.prom.observe(data, 0)
-                stats = self.connector_cls.build_kv_connector_stats(data)
+                # vLLM rebuilds stats from freshly deserialized dicts; aggregate()
+                # extends lists in place, so never hand it the caller's dict.
+                stats = self.connector_cls.build_kv_connector_stats(copy.deepcopy(data))
                 acc = stats if acc is None else acc.aggregate(stats)
             if acc is not None and not acc.is_empty():
                 line = ", ".join(f"{k}={v}" for k, v in acc.reduce().items())

@@ -128,20 +128,25 @@ class PushHarness:
     def pd(cls, *, connector: str = FORK, prefill_connector: str | None = None,
            decode_connector: str | None = None, num_layers: int = 2, num_blocks: int = 128,
            block_size: int = 32, extra_config: dict[str, Any] | None = None,
-           tracing: Any = None, workdir: str | None = None,
+           tracing: Any = None, prefill_tracing: Any = None, decode_tracing: Any = None,
+           workdir: str | None = None,
            roles: tuple[str, str] = ("kv_producer", "kv_consumer")) -> PushHarness:
-        """One prefill engine `P` and one decode engine `D`."""
+        """One prefill engine `P` and one decode engine `D`.
+
+        `tracing` applies to both engines unless `prefill_tracing`/`decode_tracing`
+        override it: None (off), "memory", or {"endpoint": ..., "protocol": ...}.
+        """
         work = workdir or tempfile.mkdtemp(prefix="push-harness-")
         common = dict(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-                      extra_config=dict(extra_config or {}), tracing=tracing, workdir=work)
+                      extra_config=dict(extra_config or {}), workdir=work)
         run = secrets.token_hex(3)
         return cls([
             EngineSpec(name="P", engine_id=f"prefill-{run}", kv_role=roles[0],
                        side_channel_port=free_port(), connector=prefill_connector or connector,
-                       **common),
+                       tracing=prefill_tracing or tracing, **common),
             EngineSpec(name="D", engine_id=f"decode-{run}", kv_role=roles[1],
                        side_channel_port=free_port(), connector=decode_connector or connector,
-                       **common),
+                       tracing=decode_tracing or tracing, **common),
         ])
 
     # ------------------------------------------------------------- lifecycle

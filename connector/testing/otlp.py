@@ -1,0 +1,129 @@
+"""Local OTLP trace receivers (what Jaeger and the OTel Collector ingest), for tests and the demo.
+
+Both decode the real OTLP protobuf (`ExportTraceServiceRequest`) into flat span dicts
+in the same shape as `connector.testing.spans.span_to_dict`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+_KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
+_STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
+
+
+def _value(v: AnyValue) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+def decode_request(request: trace_service_pb2.ExportTraceServiceRequest) -> list[dict[str, Any]]:
+    out = []
+    for rs in request.resource_spans:
+        resource = {kv.key: _value(kv.value) for kv in rs.resource.attributes}
+        for ss in rs.scope_spans:
+            for span in ss.spans:
+                out.append({
+                    "name": span.name,
+                    "trace_id": span.trace_id.hex(),
+                    "span_id": span.span_id.hex(),
+                    "parent_span_id": span.parent_span_id.hex() or None,
+                    "kind": _KINDS.get(span.kind, str(span.kind)),
+                    "attributes": {kv.key: _value(kv.value) for kv in span.attributes},
+                    "status": _STATUS.get(span.status.code, str(span.status.code)),
+                    "start": span.start_time_unix_nano,
+                    "end": span.end_time_unix_nano,
+                    "service": resource.get("service.name"),
+                    "scope": ss.scope.name,
+                })
+    return out
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spans: list[dict[str, Any]] = []
+        self.requests = 0
+
+    def add(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
+        spans = decode_request(request)
+        with self.lock:
+            self.requests += 1
+            self.spans.extend(spans)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.spans)
+
+
+class OtlpHttpReceiver(_Store):
+    """`POST /v1/traces` with protobuf bodies (OTLP/HTTP), on 127.0.0.1."""
+
+    def __init__(self, port: int = 0):
+        super().__init__()
+        store = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                if self.path != "/v1/traces":
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                request = trace_service_pb2.ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                store.add(request)
+                reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}/v1/traces"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class OtlpGrpcReceiver(_Store):
+    """OTLP/gRPC `TraceService.Export` on 127.0.0.1."""
+
+    def __init__(self, port: int = 0):
+        import grpc
+
+        super().__init__()
+        store = self
+
+        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC API)
+                store.add(request)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self._server)
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._server.start()
+
+    def close(self) -> None:
+        self._server.stop(grace=None)
