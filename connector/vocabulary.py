@@ -10,14 +10,11 @@ metric labels.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class _Vocab(str, Enum):
+class _Vocab(StrEnum):
     """String enum whose members compare and format as their value."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class Phase(_Vocab):
@@ -189,8 +186,10 @@ class MetricSpec:
 
 
 # Handshakes span ~1 ms (in-process notif-only) to many seconds (timeouts, 1M descs).
-HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 10.0)
+HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                     30.0)
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                 5.0, 10.0)
 
 HANDSHAKES = MetricSpec(
     "vllm:nixl_handshakes",

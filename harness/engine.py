@@ -9,6 +9,7 @@ connector stats. The parent drives it with commands over a pipe.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import os
@@ -238,10 +239,8 @@ class Engine:
 
     def shutdown(self) -> None:
         for conn in (self.worker_connector, self.scheduler_connector):
-            try:
+            with contextlib.suppress(Exception):
                 conn.shutdown()
-            except Exception:
-                pass
         # Drop the worker now, while modules are alive: vLLM's __del__ shuts down
         # again and fails noisily if it only runs at interpreter teardown.
         self.worker_connector.connector_worker = None

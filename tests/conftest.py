@@ -17,9 +17,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(__file__).resolve().parents[1] / ".cache" / "vllm"))
 
-from harness import PushHarness  # noqa: E402
-from harness.config import FORK, STOCK, EngineSpec  # noqa: E402
-from harness.runner import free_port  # noqa: E402
+from harness import PushHarness
+from harness.config import FORK, STOCK, EngineSpec
+from harness.runner import free_port
 
 
 def drain_stats(h: PushHarness, engine: str, settle_s: float = 0.5, rounds: int = 3) -> list[dict]:

@@ -41,5 +41,5 @@ def test_missing_nixl_fails_with_install_hint(tmp_path, monkeypatch):
                       workdir=str(tmp_path))
     config = build_vllm_config(spec)
     monkeypatch.setattr(base_worker, "NixlWrapper", None)
-    with pytest.raises(ConnectorConfigError, match="pip install nixl==1.5.1"):
+    with pytest.raises(ConnectorConfigError, match=r"pip install nixl==1\.5\.1"):
         NixlPushConnector(config, KVConnectorRole.WORKER, build_kv_cache_config(spec))

@@ -95,7 +95,8 @@ def test_real_metrics_endpoint_passes_promtool(frontends):
     fe = frontends["D"]
     port = fe.serve()
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert 'vllm:nixl_descriptors_saved_total{direction="d_to_p",engine="0",model_name="tiny-llama"} 256.0' in body
+    saved = 'vllm:nixl_descriptors_saved_total{direction="d_to_p",engine="0",model_name="tiny-llama"}'
+    assert f"{saved} 256.0" in body
     promtool = shutil.which("promtool")
     assert promtool, "make test installs Debian's prometheus (promtool)"
     res = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, text=True)
@@ -103,7 +104,8 @@ def test_real_metrics_endpoint_passes_promtool(frontends):
     # rules. That convention is vLLM's (dashboards and users depend on it), so that
     # one finding is expected for every vllm: series and nothing else may appear.
     problems = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
-    colon = [p for p in problems if p.startswith("vllm:") and p.endswith("metric names should not contain ':'")]
+    colon_lint = "metric names should not contain ':'"
+    colon = [p for p in problems if p.startswith("vllm:") and p.endswith(colon_lint)]
     assert problems == colon, "\n".join(set(problems) - set(colon))
     assert colon, "expected vLLM's colon-named series in the exposition"
 

@@ -9,6 +9,7 @@ socket's connect events, and raise errors that say what to check.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -59,10 +60,8 @@ class SideChannelClient:
         self.close()
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()

@@ -52,7 +52,13 @@ from connector.telemetry.record import (
 )
 from connector.telemetry.savings import full_handshake_saving
 from connector.telemetry.stats import ObservedNixlStats
-from connector.telemetry.tracing import SpanEmitter, activated, extract_context, inject_context, resolve_tracer
+from connector.telemetry.tracing import (
+    SpanEmitter,
+    activated,
+    extract_context,
+    inject_context,
+    resolve_tracer,
+)
 from connector.vocabulary import (
     PUSH_REG_TRACE_KEY,
     SPAN_PUSH_RECEIVE,

@@ -25,6 +25,7 @@ class ObservedPromMetrics(NixlPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.dropped_records = 0
         self._ours: dict[str, Any] = {}
         for spec in V.ALL_METRICS:
             self._ours[spec.name] = self._make(spec, list(labelnames))
@@ -59,14 +60,20 @@ class ObservedPromMetrics(NixlPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         # Stock keys first (a stock-shaped dict works unchanged).
         super().observe(transfer_stats_data, engine_idx)
-        try:
-            self._observe_ours(transfer_stats_data, engine_idx)
-        except Exception:  # a malformed record must not break vLLM's stats loop
-            logger.exception("dropping malformed NIXL handshake stats")
+        self._observe_ours(transfer_stats_data, engine_idx)
+
+    def _drop(self, what: str, record: Any) -> None:
+        self.dropped_records += 1
+        logger.warning("dropping malformed NIXL %s stats record (%d dropped so far): %.200r",
+                       what, self.dropped_records, record)
 
     def _observe_ours(self, data: dict[str, Any], idx: int) -> None:
+        # A malformed record is dropped (counted, logged); the rest are observed.
         for hs in data.get(StatKey.HANDSHAKES, ()):
-            self._observe_handshake(hs, idx)
+            try:
+                self._observe_handshake(hs, idx)
+            except Exception:
+                self._drop("handshake", hs)
         counts = (
             (StatKey.PUSH_REG_SENT, V.PUSH_REG_NOTIFS, V.NotifOutcome.SENT.value),
             (StatKey.PUSH_REG_FAILED, V.PUSH_REG_NOTIFS, V.NotifOutcome.FAILED.value),
@@ -76,34 +83,46 @@ class ObservedPromMetrics(NixlPromMetrics):
         )
         for key, spec, label in counts:
             values = data.get(key)
-            if values:
+            if not values:
+                continue
+            try:
                 self._child(spec, idx, label).inc(sum(values))
+            except Exception:
+                self._drop(key, values)
 
     def _observe_handshake(self, hs: dict[str, Any], idx: int) -> None:
+        # Validate everything first so a bad record is dropped whole, never half-counted.
         direction = V.Direction(hs["direction"]).value
         trigger = V.Trigger(hs["trigger"]).value
         notif = bool_label(bool(hs["notif_only"]))
         outcome = V.Outcome(hs["outcome"]).value
-        self._child(V.HANDSHAKES, idx, direction, trigger, notif, outcome).inc()
-        self._child(V.HANDSHAKE_DURATION, idx, direction, notif, outcome).observe(
-            float(hs["duration"]))
-        for phase, seconds in hs.get("phases", {}).items():
-            self._child(V.HANDSHAKE_PHASE_DURATION, idx, direction, notif,
-                        V.Phase(phase).value).observe(float(seconds))
+        duration = float(hs["duration"])
+        phases = [(V.Phase(p).value, float(sec)) for p, sec in hs.get("phases", {}).items()]
+        regs = [(V.DescriptorList(w).value, int(n)) for w, n in hs.get("registrations", {}).items()]
+        descs = [(V.DescriptorList(w).value, int(n)) for w, n in hs.get("descriptors", {}).items()]
+        saved_regs = int(hs.get("saved_registrations") or 0)
+        saved_descs = int(hs.get("saved_descriptors") or 0)
+        failure = None
         if outcome == V.Outcome.FAILURE.value:
-            phase = V.Phase(hs.get("failed_phase") or V.Phase.QUEUE_WAIT).value
-            error = V.ErrorType(hs.get("error_type") or V.ErrorType.OTHER).value
-            self._child(V.HANDSHAKE_PHASE_FAILURES, idx, direction, phase, error).inc()
-        for which, n in hs.get("registrations", {}).items():
+            failure = (V.Phase(hs.get("failed_phase") or V.Phase.QUEUE_WAIT).value,
+                       V.ErrorType(hs.get("error_type") or V.ErrorType.OTHER).value)
+        if duration < 0 or saved_regs < 0 or saved_descs < 0 or any(
+                v < 0 for _, v in [*phases, *regs, *descs]):
+            raise ValueError("negative value in handshake record")
+
+        self._child(V.HANDSHAKES, idx, direction, trigger, notif, outcome).inc()
+        self._child(V.HANDSHAKE_DURATION, idx, direction, notif, outcome).observe(duration)
+        for phase, seconds in phases:
+            self._child(V.HANDSHAKE_PHASE_DURATION, idx, direction, notif, phase).observe(seconds)
+        if failure is not None:
+            self._child(V.HANDSHAKE_PHASE_FAILURES, idx, direction, *failure).inc()
+        for which, n in regs:
             if n:
-                self._child(V.DESCRIPTOR_REGISTRATIONS, idx, direction,
-                            V.DescriptorList(which).value).inc(n)
-        for which, n in hs.get("descriptors", {}).items():
+                self._child(V.DESCRIPTOR_REGISTRATIONS, idx, direction, which).inc(n)
+        for which, n in descs:
             if n:
-                self._child(V.DESCRIPTORS_REGISTERED, idx, direction,
-                            V.DescriptorList(which).value).inc(n)
-        if hs.get("saved_registrations"):
-            self._child(V.DESCRIPTOR_REGISTRATIONS_SAVED, idx, direction).inc(
-                hs["saved_registrations"])
-        if hs.get("saved_descriptors"):
-            self._child(V.DESCRIPTORS_SAVED, idx, direction).inc(hs["saved_descriptors"])
+                self._child(V.DESCRIPTORS_REGISTERED, idx, direction, which).inc(n)
+        if saved_regs:
+            self._child(V.DESCRIPTOR_REGISTRATIONS_SAVED, idx, direction).inc(saved_regs)
+        if saved_descs:
+            self._child(V.DESCRIPTORS_SAVED, idx, direction).inc(saved_descs)

@@ -73,7 +73,7 @@ class OtlpHttpReceiver(_Store):
         store = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
@@ -115,7 +115,7 @@ class OtlpGrpcReceiver(_Store):
         store = self
 
         class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC API)
+            def Export(self, request: Any, context: Any) -> Any:
                 store.add(request)
                 return trace_service_pb2.ExportTraceServiceResponse()
 
