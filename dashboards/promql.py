@@ -99,10 +99,10 @@ def grouping_labels(expr: str) -> set[str]:
     return labels
 
 
-def range_windows(expr: str) -> list[str]:
-    """The window of every range-vector function call, e.g. `$__rate_interval`."""
+def range_calls(expr: str) -> list[tuple[str, str]]:
+    """(function, window) of every range-vector call, e.g. ("rate", "$__rate_interval")."""
     text = _blank_strings(expr)
-    windows = []
+    calls = []
     for call in _RANGE_CALL.finditer(text):
         tail = text[call.end():]
         depth, i = 1, 0
@@ -112,8 +112,8 @@ def range_windows(expr: str) -> list[str]:
         inner = _RANGE.findall(tail[:i])
         if not inner:
             raise PromQLError(f"{call.group(1)}() without a range in {expr!r}")
-        windows.append(inner[-1].split(":")[0].strip())
-    return windows
+        calls.append((call.group(1), inner[-1].split(":")[0].strip()))
+    return calls
 
 
 def variables(expr: str) -> set[str]:
