@@ -30,6 +30,7 @@ class EngineSpec:
     connector: str = FORK  # fork | stock
     num_layers: int = 2
     num_blocks: int = 128
+    num_kv_heads: int = NUM_KV_HEADS
     block_size: int = 32
     extra_config: dict[str, Any] = field(default_factory=dict)
     # None (off) | "memory" (in-process exporter) | {"endpoint": ..., "protocol": ...}
@@ -37,14 +38,14 @@ class EngineSpec:
     workdir: str = "/tmp"
 
 
-def write_model_dir(root: Path, num_layers: int) -> Path:
+def write_model_dir(root: Path, num_layers: int, num_kv_heads: int = NUM_KV_HEADS) -> Path:
     """A config-only tiny Llama (no weights, no tokenizer)."""
-    path = root / f"tiny-llama-{num_layers}l"
+    path = root / f"tiny-llama-{num_layers}l-{num_kv_heads}kvh"
     path.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
-        "num_key_value_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+        "num_key_value_heads": num_kv_heads, "head_dim": HEAD_DIM,
         "num_hidden_layers": num_layers, "vocab_size": 256,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
         "torch_dtype": "float32", "tie_word_embeddings": False,
@@ -74,7 +75,7 @@ def build_vllm_config(spec: EngineSpec) -> Any:
         VllmConfig,
     )
 
-    model_dir = write_model_dir(Path(spec.workdir), spec.num_layers)
+    model_dir = write_model_dir(Path(spec.workdir), spec.num_layers, spec.num_kv_heads)
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
                         max_model_len=2048, enforce_eager=True)
     cache = CacheConfig(block_size=spec.block_size)
@@ -96,7 +97,7 @@ def build_kv_cache_config(spec: EngineSpec) -> Any:
         KVCacheTensor,
     )
 
-    attn = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=NUM_KV_HEADS,
+    attn = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                              head_size=HEAD_DIM, dtype=torch.float32)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)]
     page = attn.page_size_bytes

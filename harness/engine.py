@@ -48,6 +48,11 @@ class NixlCallLog:
         return handle
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -233,6 +238,34 @@ class Engine:
     def cmd_tracing_enabled(self) -> bool:
         spans = getattr(self.worker, "_spans", None)
         return bool(spans is not None and spans.enabled)
+
+    def cmd_timed_handshake(self, prefill: dict[str, Any]) -> dict[str, Any]:
+        """Time one heartbeat-style D->P handshake in this process (benchmarks).
+
+        The fork makes it notification-only; the stock connector does a full one
+        for a PP=1 producer. Memory is the process RSS before and after.
+        """
+        from connector.vocabulary import Trigger
+
+        w, eid = self.worker, prefill["engine_id"]
+        rss0 = _rss_bytes()
+        t0 = time.perf_counter()
+        if hasattr(w, "_triggered_by"):
+            with w._triggered_by(Trigger.HEARTBEAT):
+                fut = w._ensure_handshake(eid, prefill["host"], prefill["port"], 1, 1, 1, False)
+        else:
+            fut = w._ensure_handshake(eid, prefill["host"], prefill["port"], 1, 1, 1, False)
+        if fut is not None:
+            fut.result(timeout=120)
+        seconds = time.perf_counter() - t0
+        while eid not in w._remote_agents:  # done-callbacks run just after result()
+            time.sleep(0.0005)
+        return {"seconds": seconds, "rss_delta": _rss_bytes() - rss0,
+                "dst_handles": len(w.dst_xfer_side_handles.get(eid, {}))}
+
+    def cmd_forget(self, engine_id: str) -> None:
+        """Drop a remote engine (vLLM's TTL eviction path) so it can be re-measured."""
+        self.worker._cleanup_remote_engine(engine_id)
 
     def cmd_now(self) -> float:
         return time.perf_counter()

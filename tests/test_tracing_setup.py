@@ -69,3 +69,20 @@ def test_bad_trace_carriers_are_ignored():
     assert extract_context("traceparent") is None
     assert extract_context({"traceparent": "garbage"}) is None
     assert extract_context({}) is None
+
+
+class ExplodingTracer:
+    """A tracer whose every call fails: telemetry faults must stay inside telemetry."""
+
+    def start_span(self, *args, **kwargs):
+        raise RuntimeError("exporter on fire")
+
+
+def test_a_failing_tracer_never_raises_into_the_caller():
+    emitter = SpanEmitter(ExplodingTracer())
+    r = HandshakeRecord(direction=Direction.P_TO_D, trigger=Trigger.PUSH_WRITE, notif_only=False,
+                        remote_engine_id="d", host="h", port=1, remote_tp_size=1, remote_pp_size=1,
+                        local_tp_rank=0)
+    r.finish(RuntimeError("x"))
+    emitter.emit_handshake(r)  # swallowed and logged at DEBUG
+    assert emitter.start("nixl.push.write") is None

@@ -1,0 +1,238 @@
+"""Run a real Prometheus against harness front ends and ask it what the dashboard asks.
+
+Used by `tests/test_prometheus_real.py` and `python -m dashboards.preview`. Talks to
+Prometheus' HTTP API with the standard library only. Grafana's part (substituting
+dashboard variables into panel queries) is `fill_variables`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dashboards import generate
+
+PROMETHEUS = "prometheus"
+PROMTOOL = "promtool"
+RULES_PATH = generate.ROOT / generate.RULES_FILE
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise FileNotFoundError(f"{name} not found on PATH; `make system-deps` installs Debian's prometheus")
+    return path
+
+
+def fill_variables(expr: str, values: dict[str, str]) -> str:
+    """What Grafana does to a panel query: replace $name / ${name} with the variable value."""
+
+    def repl(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in values:
+            raise KeyError(f"no value for dashboard variable ${name} in {expr!r}")
+        return values[name]
+
+    return re.sub(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)", repl, expr)
+
+
+class PrometheusError(RuntimeError):
+    pass
+
+
+class PrometheusServer:
+    """A real `prometheus` process on 127.0.0.1 with its own config and TSDB in a temp dir."""
+
+    def __init__(self, targets: Iterable[str], *, job: str = "vllm", rule_files: Iterable[Path] = (),
+                 scrape_interval: str = "1s", evaluation_interval: str = "1s",
+                 workdir: str | Path | None = None):
+        self.targets = list(targets)
+        self.job = job
+        self.rule_files = [Path(p).resolve() for p in rule_files]
+        self.scrape_interval = scrape_interval
+        self.evaluation_interval = evaluation_interval
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="prometheus-"))
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def config_text(self) -> str:
+        config = {
+            "global": {"scrape_interval": self.scrape_interval,
+                       "evaluation_interval": self.evaluation_interval},
+            "rule_files": [str(p) for p in self.rule_files],
+            "scrape_configs": [{"job_name": self.job, "static_configs": [{"targets": self.targets}]}],
+        }
+        return json.dumps(config, indent=1)  # JSON is YAML
+
+    def start(self, timeout_s: float = 20.0) -> PrometheusServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "prometheus.yml"
+        config.write_text(self.config_text())
+        self.port = free_port()
+        self._log = open(self.workdir / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop)
+        self.process = subprocess.Popen(
+            [binary(PROMETHEUS), f"--config.file={config}",
+             f"--storage.tsdb.path={self.workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise PrometheusError(f"prometheus exited with {self.process.returncode}: {self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise PrometheusError(f"prometheus not ready after {timeout_s}s")
+
+    def log(self) -> str:
+        path = self.workdir / "prometheus.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> PrometheusServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------ HTTP API
+    def api(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Raw API answer (status, data or errorType/error); HTTP 4xx bodies included."""
+        data = urllib.parse.urlencode(params or {}, doseq=True).encode()
+        request = urllib.request.Request(self.url + path, data=data if params else None)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:  # bad_data (422/400) still has a JSON body
+            return json.loads(exc.read())
+
+    def query_raw(self, expr: str, at: float | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {"query": expr}
+        if at is not None:
+            params["time"] = f"{at:.3f}"
+        return self.api("/api/v1/query", params)
+
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        answer = self.query_raw(expr, at)
+        if answer.get("status") != "success":
+            raise PrometheusError(f"{expr}: {answer.get('errorType')}: {answer.get('error')}")
+        data = answer["data"]
+        if data["resultType"] == "scalar":
+            return [{"metric": {}, "value": data["result"]}]
+        return data["result"]
+
+    def value(self, expr: str, at: float | None = None) -> float | None:
+        """The single value of a query, None when it returns nothing."""
+        result = self.query(expr, at)
+        if not result:
+            return None
+        if len(result) > 1:
+            raise PrometheusError(f"{expr}: {len(result)} series, expected one")
+        return float(result[0]["value"][1])
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        answer = self.api("/api/v1/query_range", {"query": expr, "start": f"{start:.3f}",
+                                                  "end": f"{end:.3f}", "step": f"{step}"})
+        if answer.get("status") != "success":
+            raise PrometheusError(f"{expr}: {answer.get('errorType')}: {answer.get('error')}")
+        return answer["data"]["result"]
+
+    def label_values(self, label: str, match: str) -> list[str]:
+        answer = self.api(f"/api/v1/label/{label}/values", {"match[]": match})
+        if answer.get("status") != "success":
+            raise PrometheusError(f"label {label} {match}: {answer.get('error')}")
+        return answer["data"]
+
+    def wait_for(self, expr: str, predicate: Callable[[float | None], bool], timeout_s: float = 30.0,
+                 what: str = "") -> float | None:
+        deadline = time.monotonic() + timeout_s
+        value = None
+        while time.monotonic() < deadline:
+            value = self.value(expr)
+            if predicate(value):
+                return value
+            time.sleep(0.25)
+        raise PrometheusError(f"timed out waiting for {what or expr}; last value {value}\n{self.log()}")
+
+
+# ------------------------------------------------------------------- panel evaluation
+@dataclass
+class PanelQuery:
+    panel: str
+    ref_id: str
+    expr: str  # with the variables filled in
+    answer: dict[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        return self.answer.get("status") == "success"
+
+    @property
+    def series(self) -> list[dict[str, Any]]:
+        return self.answer.get("data", {}).get("result", []) if self.ok else []
+
+    def values(self) -> list[tuple[dict[str, str], float]]:
+        return [(s["metric"], float(s["value"][1])) for s in self.series]
+
+    def nan_series(self) -> list[dict[str, str]]:
+        return [labels for labels, v in self.values() if math.isnan(v) or math.isinf(v)]
+
+
+def evaluate_dashboard(prom: PrometheusServer, dashboard: dict[str, Any], values: dict[str, str],
+                       at: float | None = None) -> list[PanelQuery]:
+    """Every query of every panel as an instant query (Grafana's last point of each panel)."""
+    out = []
+    for panel in generate.iter_panels(dashboard):
+        for t in panel["targets"]:
+            expr = fill_variables(t["expr"], values)
+            out.append(PanelQuery(panel["title"], t["refId"], expr, prom.query_raw(expr, at)))
+    return out
+
+
+def check_metrics(exposition: str) -> tuple[int, list[str]]:
+    """`promtool check metrics` on an exposition text: (exit code, problem lines)."""
+    proc = subprocess.run([binary(PROMTOOL), "check", "metrics"], input=exposition.encode(),
+                          capture_output=True, timeout=60)
+    lines = (proc.stdout + proc.stderr).decode().splitlines()
+    return proc.returncode, [line for line in lines if line.strip()]
