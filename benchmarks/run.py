@@ -78,7 +78,8 @@ def push_bench(requests: int, batches: int) -> dict[str, float]:
             for h in (fork, stock):  # first push pays the handshakes; not measured
                 assert h.push(1).ok
             for i in range(batches):
-                order = (("fork", fork), ("stock", stock)) if i % 2 == 0 else (("stock", stock), ("fork", fork))
+                pair = [("fork", fork), ("stock", stock)]
+                order = pair if i % 2 == 0 else pair[::-1]
                 for name, h in order:
                     report = h.push(per_batch)
                     assert report.ok, report
@@ -99,7 +100,8 @@ def push_bench(requests: int, batches: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=16384)
     parser.add_argument("--rounds", type=int, default=7)

@@ -47,7 +47,8 @@ def span_tree(spans: list[dict[str, Any]], trace_id: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--serve", type=float, default=0.0,
                         help="keep /metrics endpoints up this many seconds at the end")
