@@ -29,6 +29,15 @@ PROMETHEUS = "prometheus"
 PROMTOOL = "promtool"
 RULES_PATH = generate.ROOT / generate.RULES_FILE
 
+# prometheus_client (0.26 in the lock, also behind vLLM's /metrics) answers a Prometheus
+# 2.x scrape - which asks for OpenMetrics 1.0.0 without an `escaping` parameter - with
+# sample names whose colon became `_` (`vllm_nixl_pushes_total` under `# TYPE
+# vllm:nixl_pushes`): prometheus/client_python#1177. Prometheus 3 asks for
+# `escaping=allow-utf-8` and gets the names unchanged. This scrape-time relabeling puts
+# vLLM's names back on any version; every vLLM metric is `vllm:`-prefixed, none `vllm_`.
+RESTORE_VLLM_COLON = [{"source_labels": ["__name__"], "regex": "vllm_(.+)",
+                       "target_label": "__name__", "replacement": "vllm:$1"}]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -41,6 +50,13 @@ def binary(name: str) -> str:
     if path is None:
         raise FileNotFoundError(f"{name} not found on PATH; `make system-deps` installs Debian's prometheus")
     return path
+
+
+def scrape_job(name: str, targets: Iterable[str], *, restore_vllm_colon: bool = True) -> dict[str, Any]:
+    job: dict[str, Any] = {"job_name": name, "static_configs": [{"targets": list(targets)}]}
+    if restore_vllm_colon:
+        job["metric_relabel_configs"] = RESTORE_VLLM_COLON
+    return job
 
 
 def fill_variables(expr: str, values: dict[str, str]) -> str:
@@ -62,11 +78,10 @@ class PrometheusError(RuntimeError):
 class PrometheusServer:
     """A real `prometheus` process on 127.0.0.1 with its own config and TSDB in a temp dir."""
 
-    def __init__(self, targets: Iterable[str], *, job: str = "vllm", rule_files: Iterable[Path] = (),
+    def __init__(self, scrape_configs: list[dict[str, Any]], *, rule_files: Iterable[Path] = (),
                  scrape_interval: str = "1s", evaluation_interval: str = "1s",
                  workdir: str | Path | None = None):
-        self.targets = list(targets)
-        self.job = job
+        self.scrape_configs = scrape_configs
         self.rule_files = [Path(p).resolve() for p in rule_files]
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
@@ -84,7 +99,7 @@ class PrometheusServer:
             "global": {"scrape_interval": self.scrape_interval,
                        "evaluation_interval": self.evaluation_interval},
             "rule_files": [str(p) for p in self.rule_files],
-            "scrape_configs": [{"job_name": self.job, "static_configs": [{"targets": self.targets}]}],
+            "scrape_configs": self.scrape_configs,
         }
         return json.dumps(config, indent=1)  # JSON is YAML
 

@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.real, pytest.mark.prometheus]
 
 N_PUSHES = 8
 JOB = "vllm"
+RAW_JOB = "vllm-unrelabeled"
 # Grafana's values for the variables: the job, the harness' model and engine label, every
 # instance (the "All" value is the regex .*), and fixed intervals. A 30 s rate window
 # comfortably covers the 1 s scrapes around the pushes.
@@ -44,6 +45,7 @@ class Run:
     rules: list[dict[str, Any]]
     alerts: list[dict[str, Any]]
     recorded_share: float | None
+    raw_names: list[str]
     expositions: dict[str, str] = field(default_factory=dict)
 
     def panel(self, title: str, ref: str = "A", when: str = "D") -> PanelQuery:
@@ -82,7 +84,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         fronts = {name: h.frontend(name) for name in ("P", "D")}
         try:
             instances = {name: f"127.0.0.1:{fe.serve()}" for name, fe in fronts.items()}
-            with PrometheusServer(instances.values(), job=JOB, rule_files=[promrun.RULES_PATH],
+            jobs = [promrun.scrape_job(JOB, instances.values()),
+                    # The same targets without the colon fix, to show why it is there.
+                    promrun.scrape_job(RAW_JOB, instances.values(), restore_vllm_colon=False)]
+            with PrometheusServer(jobs, rule_files=[promrun.RULES_PATH],
                                   workdir=tmp_path_factory.mktemp("prometheus")) as prom:
                 # Both targets up and their zero-valued series stored before anything happens.
                 prom.wait_for(f'count(up{{job="{JOB}"}} == 1)', lambda v: v == 2, what="targets up")
@@ -130,6 +135,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                 recorded_share = prom.wait_for(
                     f'{share_rule}{{instance="{instances["D"]}"}}', lambda v: v is not None,
                     timeout_s=15, what="recording rule evaluated")
+                raw_names = prom.label_values("__name__", f'{{job="{RAW_JOB}"}}')
                 rules = [r for g in prom.api("/api/v1/rules")["data"]["groups"] for r in g["rules"]]
                 alerts = prom.api("/api/v1/alerts")["data"]["alerts"]
             expositions = {name: fe.exposition() for name, fe in fronts.items()}
@@ -140,7 +146,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         shape = {"pairs": 1, "remote_ranks": 1,
                  "descriptors_per_registration": spec_p.num_layers * spec_p.num_blocks}
     return Run(instances, idle, busy, busy_p, stats, shape, absent_at_idle, variable_values, rules,
-               alerts, recorded_share, expositions)
+               alerts, recorded_share, raw_names, expositions)
 
 
 # Panels that must show data after the pushes, with what the data must be. Each check
@@ -319,3 +325,16 @@ def test_promtool_check_metrics(run: Run) -> None:
             assert metric.startswith("vllm:"), (name, line)
         code, lines = promrun.check_metrics(text.replace("vllm:", "vllm_"))
         assert (code, lines) == (0, []), (name, lines)
+
+
+def test_prometheus_2_scrape_needs_the_colon_fix(run: Run) -> None:
+    """Why every scrape config here (and the stack's) carries RESTORE_VLLM_COLON.
+
+    Scraped without it, Prometheus 2.x stores `vllm_nixl_...` (client_python#1177), so no
+    `vllm:` query would find anything. If this starts failing, the exposition got fixed
+    for this Prometheus and the relabeling can go.
+    """
+    ours = [n for n in run.raw_names if "nixl" in n]
+    assert ours, run.raw_names
+    assert not [n for n in ours if n.startswith("vllm:")], ours
+    assert V.PUSHES.series_names[0].replace("vllm:", "vllm_") in ours

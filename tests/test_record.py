@@ -7,7 +7,12 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from connector.glue.compat import ENSURE_HANDSHAKE_TAIL, RemoteAgentTable, bind_handshake_tail
+from connector.glue.compat import (
+    ENSURE_HANDSHAKE_TAIL,
+    RemoteAgentTable,
+    accepted,
+    bind_handshake_tail,
+)
 from connector.telemetry.record import HandshakeError, HandshakeRecord, classify_error
 from connector.telemetry.savings import full_handshake_saving, remote_descriptor_count
 from connector.vocabulary import DescriptorList, Direction, ErrorType, Outcome, Phase, Trigger
@@ -111,3 +116,15 @@ def test_remote_agent_table_hides_an_engine_from_one_thread_only():
     assert "p" in table  # membership (connectedness) is unchanged
     table.hide_from_this_thread(None)
     assert table.get("p") == {(0, 0): "agent"}
+
+
+def test_accepted_passes_only_what_the_installed_signature_takes():
+    def older(self, metadata, remote_tp_size):  # a release without remote_dcp_size
+        ...
+
+    def newer(self, metadata, remote_tp_size, remote_dcp_size=1, **extra):
+        ...
+
+    assert accepted(older, remote_tp_size=2, remote_dcp_size=1) == {"remote_tp_size": 2}
+    assert accepted(newer, remote_tp_size=2, remote_dcp_size=1) == {"remote_tp_size": 2,
+                                                                    "remote_dcp_size": 1}

@@ -38,6 +38,19 @@ def bind_handshake_tail(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[s
     return bound
 
 
+def accepted(func: Any, **named: Any) -> dict[str, Any]:
+    """The subset of `named` that `func`'s signature accepts.
+
+    `add_remote_agent` and `_add_notif_only_remote_agent` gained and lost
+    `remote_dcp_size` (and later `pcp` arguments) across releases; we pass what we
+    know by name and let the installed signature decide what it takes.
+    """
+    params = inspect.signature(func).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return named
+    return {k: v for k, v in named.items() if k in params}
+
+
 class RemoteAgentTable(defaultdict):
     """vLLM's `_remote_agents` map, able to hide one engine from one thread.
 

@@ -30,6 +30,9 @@ import msgspec
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+    NixlBaseConnectorWorker as _BASE,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata,
     NixlConnectorMetadata,
@@ -41,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 from vllm.platforms import current_platform
 
-from connector.glue.compat import RemoteAgentTable, bind_handshake_tail
+from connector.glue.compat import RemoteAgentTable, accepted, bind_handshake_tail
 from connector.glue.nixl_probe import NixlAgentProbe
 from connector.glue.side_channel import SideChannelClient
 from connector.telemetry.record import (
@@ -282,10 +285,14 @@ class ObservedPushWorker(NixlPushConnectorWorker):
                 if record.notif_only:
                     self._count_saving(record, meta)
                     record.enter(Phase.AGENT_LOAD)
-                    name = self._add_notif_only_remote_agent(meta, record.remote_tp_size, meta.dcp_size)
+                    name = self._add_notif_only_remote_agent(meta, **accepted(
+                        _BASE._add_notif_only_remote_agent, remote_tp_size=record.remote_tp_size,
+                        remote_dcp_size=meta.dcp_size))
                 else:
                     record.enter(Phase.TRANSFER_PLAN)
-                    name = self.add_remote_agent(meta, tp_rank, record.remote_tp_size, meta.dcp_size)
+                    name = self.add_remote_agent(meta, **accepted(
+                        _BASE.add_remote_agent, remote_tp_rank=tp_rank,
+                        remote_tp_size=record.remote_tp_size, remote_dcp_size=meta.dcp_size))
                 record.close_phase()
                 agents[(pp_rank, tp_rank)] = name
         return agents, best_offset
