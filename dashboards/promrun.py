@@ -152,15 +152,22 @@ class PrometheusServer:
         self.stop()
 
     # ------------------------------------------------------------------------ HTTP API
-    def api(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    def api(self, path: str, params: dict[str, Any] | None = None, *, post: bool = True) -> dict[str, Any]:
         """Raw API answer (status, data or errorType/error); HTTP 4xx bodies included."""
-        data = urllib.parse.urlencode(params or {}, doseq=True).encode()
-        request = urllib.request.Request(self.url + path, data=data if params else None)
+        data = urllib.parse.urlencode(params or {}, doseq=True)
+        if post and params:
+            request = urllib.request.Request(self.url + path, data=data.encode())
+        else:
+            request = urllib.request.Request(self.url + path + ("?" + data if data else ""))
         try:
             with urllib.request.urlopen(request, timeout=30) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as exc:  # bad_data (422/400) still has a JSON body
-            return json.loads(exc.read())
+                body = resp.read()
+        except urllib.error.HTTPError as exc:  # bad_data (400/422) still has a JSON body
+            body = exc.read()
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise PrometheusError(f"{path}: not a JSON answer: {body[:300]!r}") from exc
 
     def query_raw(self, expr: str, at: float | None = None) -> dict[str, Any]:
         params: dict[str, Any] = {"query": expr}
@@ -194,7 +201,7 @@ class PrometheusServer:
         return answer["data"]["result"]
 
     def label_values(self, label: str, match: str) -> list[str]:
-        answer = self.api(f"/api/v1/label/{label}/values", {"match[]": match})
+        answer = self.api(f"/api/v1/label/{label}/values", {"match[]": match}, post=False)
         if answer.get("status") != "success":
             raise PrometheusError(f"label {label} {match}: {answer.get('error')}")
         return answer["data"]

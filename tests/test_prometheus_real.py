@@ -119,7 +119,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                 # Evaluate at an engine's last scrape: increase() over $__range then does
                 # not extrapolate past its last sample, so that engine's range totals are
                 # exact counts (the two targets are scraped at different offsets).
-                last = {name: prom.value(f'max(timestamp(up{{instance="{inst}"}}))')
+                last = {name: prom.value(f'max(timestamp(up{{job="{JOB}",instance="{inst}"}}))')
                         for name, inst in instances.items()}
                 busy = promrun.evaluate_dashboard(prom, dashboard, VARIABLES, at=last["D"])
                 busy_p = promrun.evaluate_dashboard(prom, dashboard, VARIABLES, at=last["P"])

@@ -85,3 +85,16 @@ def test_request_spans_form_one_trace_across_both_engines(trio):
             assert s["status"] != "ERROR" and s["end"] >= s["start"]
         # D's receive ends after P's write started (KV landed after the WRITE).
         assert rcv["end"] >= wr["start"]
+
+
+def test_requests_that_wait_on_a_pending_handshake_say_so(trio):
+    """vLLM dedups handshakes per engine: later WRITEs join the first one's handshake."""
+    writes = by_name(trio.facts["spans"]["P"], SPAN_PUSH_WRITE)
+    [hs] = by_name(trio.facts["spans"]["P"], SPAN_HANDSHAKE)
+    starter = next(w for w in writes if w["span_id"] == hs["parent_span_id"])
+    assert "nixl.handshake.joined" not in starter["events"]
+    joined = [w for w in writes if "nixl.handshake.joined" in w["events"]]
+    # Every write that started while the handshake was pending joined it.
+    pending = [w for w in writes if w is not starter and w["start"] < hs["end"]]
+    assert pending, "20 back-to-back requests: some must arrive during the ~10+ ms handshake"
+    assert {w["span_id"] for w in joined} == {w["span_id"] for w in pending}

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
@@ -185,6 +186,7 @@ class ObservedPushWorker(NixlPushConnectorWorker):
                                               trigger, notif_only=False, upgrade=True)
             if pending is not None:
                 if notif_only or not pending_notif_only:
+                    self._note_joined_handshake(engine_id, pending_notif_only)
                     return pending
                 # A notification-only handshake is queued; the one-thread executor
                 # runs the full one right after it and upgrades the connection.
@@ -192,6 +194,22 @@ class ObservedPushWorker(NixlPushConnectorWorker):
                                               trigger, notif_only=False, upgrade=True)
             return self._submit_handshake(engine_id, host, port, tp_size, tail, direction,
                                           trigger, notif_only=notif_only, upgrade=False)
+
+    def _note_joined_handshake(self, engine_id: str, notif_only: bool) -> None:
+        """Mark on the caller's span that it waits for a handshake someone else started.
+
+        (vLLM dedups handshakes by engine id: a PUSH_REG often waits on the one a
+        heartbeat started, which lives in its own trace.)
+        """
+        if not self._spans.enabled:
+            return
+        try:
+            span = trace.get_current_span()
+            if span.is_recording():
+                span.add_event("nixl.handshake.joined", {Attr.REMOTE_ENGINE_ID: engine_id,
+                                                          Attr.NOTIF_AGENTS_ONLY: notif_only})
+        except Exception:
+            logger.debug("span event dropped", exc_info=True)
 
     def _submit_handshake(self, engine_id: str, host: str, port: int, tp_size: int,
                           tail: dict[str, Any], direction: Direction, trigger: Trigger, *,

@@ -44,6 +44,7 @@ def decode_request(request: trace_service_pb2.ExportTraceServiceRequest) -> list
                     "end": span.end_time_unix_nano,
                     "service": resource.get("service.name"),
                     "scope": ss.scope.name,
+                    "events": [e.name for e in span.events],
                 })
     return out
 

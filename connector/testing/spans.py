@@ -38,6 +38,7 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
         "start": span.start_time,
         "end": span.end_time,
         "service": (span.resource.attributes or {}).get("service.name"),
+        "events": [e.name for e in span.events],
     }
 
 
