@@ -174,26 +174,20 @@ class ObservedPushWorker(NixlPushConnectorWorker):
         direction, notif_only = self._flavor_for(trigger, bool(tail.get("notif_agents_only", False)))
         self._evict_stale_engines()
         with self._handshake_lock:
+            connected = engine_id in self._remote_agents
+            if connected and (notif_only or engine_id not in self._notif_only_engines):
+                return None
             pending = self._handshake_futures.get(engine_id)
             pending_notif_only = self._pending_notif_only.get(engine_id, True)
-            if engine_id in self._remote_agents:
-                if notif_only or engine_id not in self._notif_only_engines:
-                    return None
-                # Connected notification-only, but a WRITE needs descriptors.
-                if pending is not None and not pending_notif_only:
-                    return pending
-                return self._submit_handshake(engine_id, host, port, tp_size, tail, direction,
-                                              trigger, notif_only=False, upgrade=True)
-            if pending is not None:
-                if notif_only or not pending_notif_only:
-                    self._note_joined_handshake(engine_id, pending_notif_only)
-                    return pending
-                # A notification-only handshake is queued; the one-thread executor
-                # runs the full one right after it and upgrades the connection.
-                return self._submit_handshake(engine_id, host, port, tp_size, tail, direction,
-                                              trigger, notif_only=False, upgrade=True)
-            return self._submit_handshake(engine_id, host, port, tp_size, tail, direction,
-                                          trigger, notif_only=notif_only, upgrade=False)
+            if pending is not None and (notif_only or not pending_notif_only):
+                self._note_joined_handshake(engine_id, pending_notif_only)
+                return pending
+            # What remains: no handshake yet, or a WRITE needs descriptors from a peer
+            # reached (or being reached) notification-only. The one-thread executor
+            # runs an upgrade after any queued notification-only handshake.
+            upgrade = connected or pending is not None
+            return self._submit_handshake(engine_id, host, port, tp_size, tail, direction, trigger,
+                                          notif_only=notif_only and not upgrade, upgrade=upgrade)
 
     def _note_joined_handshake(self, engine_id: str, notif_only: bool) -> None:
         """Mark on the caller's span that it waits for a handshake someone else started.

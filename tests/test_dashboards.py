@@ -1,0 +1,379 @@
+"""The generated dashboard, rules and deployment files, and the checks that guard them.
+
+No engines here: the generator's `--check`, its check functions on mutated dashboards,
+promtool on the rules and the stack config, and consistency of the provisioning files.
+The queries against a real Prometheus are in tests/test_prometheus_real.py.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from connector import vocabulary as V
+from dashboards import generate, promql
+
+REPO = Path(__file__).resolve().parents[1]
+DASH = REPO / "dashboards"
+RULES = DASH / generate.RULES_FILE
+RULES_TEST = DASH / "rules" / "nixl-push.rules.test.yaml"
+STACK = DASH / "stack"
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("promtool")
+    assert exe, "promtool not found: `make system-deps` installs Debian's prometheus"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+
+
+def run_generator(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dashboards.generate", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def mutate_expr(dashboard: dict[str, Any], old: str, new: str) -> str:
+    """Replace `old` in the first query that has it; returns the panel title."""
+    for panel in generate.iter_panels(dashboard):
+        for target in panel["targets"]:
+            if old in target["expr"]:
+                target["expr"] = target["expr"].replace(old, new)
+                return panel["title"]
+    raise AssertionError(f"no query contains {old!r}")
+
+
+def drop_panels(dashboard: dict[str, Any], metric: str) -> int:
+    """Remove every panel whose queries mention `metric`; returns how many went."""
+    removed = 0
+
+    def keep(panel: dict[str, Any]) -> bool:
+        nonlocal removed
+        hit = any(metric in t["expr"] for t in panel.get("targets", []))
+        removed += hit
+        return not hit
+
+    dashboard["panels"] = [p for p in dashboard["panels"] if keep(p)]
+    for row in dashboard["panels"]:
+        if row.get("type") == "row":
+            row["panels"] = [p for p in row["panels"] if keep(p)]
+    return removed
+
+
+# ----------------------------------------------------------------- generator --check
+def test_check_passes_on_checked_in_files() -> None:
+    proc = run_generator("--check")
+    assert proc.returncode == 0, proc.stderr
+    assert "dashboards check OK" in proc.stdout
+    assert generate.check_files(DASH) == []
+
+
+def test_check_fails_on_stale_or_missing_files(tmp_path: Path) -> None:
+    generate.write_files(tmp_path)
+    assert run_generator("--check", "--root", str(tmp_path)).returncode == 0
+
+    path = tmp_path / generate.DASHBOARD_FILE
+    hand_edited = json.loads(path.read_text())
+    hand_edited["title"] = "edited in the Grafana UI"
+    path.write_text(json.dumps(hand_edited, indent=2) + "\n")
+    (tmp_path / generate.CONFIGMAP_FILE).unlink()
+    proc = run_generator("--check", "--root", str(tmp_path))
+    assert proc.returncode == 1
+    assert f"{generate.DASHBOARD_FILE}: stale" in proc.stderr
+    assert "edited in the Grafana UI" in proc.stderr  # the diff is shown
+    assert f"{generate.CONFIGMAP_FILE}: missing" in proc.stderr
+
+
+def test_check_of_files_on_disk_reports_unknown_metric(tmp_path: Path) -> None:
+    generate.write_files(tmp_path)
+    path = tmp_path / generate.DASHBOARD_FILE
+    path.write_text(path.read_text().replace("vllm:nixl_pushes_total", "vllm:nixl_pushes_sent_total"))
+    errors = generate.check_files(tmp_path)
+    assert any("stale" in e for e in errors)
+    assert any("'vllm:nixl_pushes_sent_total' is not defined in connector.vocabulary" in e for e in errors)
+    assert any("vllm:nixl_pushes is defined in connector.vocabulary but on no panel" in e for e in errors)
+
+
+def test_generated_dashboard_and_rules_pass_their_checks() -> None:
+    assert generate.check_dashboard(generate.build_dashboard()) == []
+    assert generate.check_rules(generate.build_rules()) == []
+
+
+def test_unknown_metric_on_a_panel_fails() -> None:
+    dashboard = generate.build_dashboard()
+    title = mutate_expr(dashboard, "vllm:nixl_descriptors_saved_total", "vllm:nixl_descriptor_saved_total")
+    errors = generate.check_dashboard(dashboard)
+    wanted = "'vllm:nixl_descriptor_saved_total' is not defined"
+    assert any(title in e and wanted in e for e in errors), errors
+
+
+def test_unknown_series_suffix_fails() -> None:
+    # A counter queried without _total, a histogram without _bucket: both unknown series.
+    dashboard = generate.build_dashboard()
+    mutate_expr(dashboard, "vllm:nixl_pushes_total", "vllm:nixl_pushes")
+    mutate_expr(dashboard, "vllm:nixl_handshake_duration_seconds_bucket",
+                "vllm:nixl_handshake_duration_seconds")
+    errors = generate.check_dashboard(dashboard)
+    assert any("'vllm:nixl_pushes' is not defined" in e for e in errors), errors
+    assert any("'vllm:nixl_handshake_duration_seconds' is not defined" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("spec", V.ALL_METRICS + V.STOCK_METRICS, ids=lambda s: s.name)
+def test_metric_missing_from_dashboard_fails(spec: V.MetricSpec) -> None:
+    dashboard = generate.build_dashboard()
+    assert drop_panels(dashboard, spec.name) >= 1
+    errors = generate.check_dashboard(dashboard)
+    assert f"metric {spec.name} is defined in connector.vocabulary but on no panel" in errors
+
+
+@pytest.mark.parametrize(("old", "new", "message"), [
+    ('notif_agents_only="true"', 'notif_agents_only="True"', "notif_agents_only='True' is not a value"),
+    ('direction="d_to_p"', 'direction="d2p"', "direction='d2p' is not a value"),
+    ('phase="queue_wait"', 'phase="queue"', "phase='queue' is not a value"),
+    ('outcome="failure"', 'outcome="failed"', "outcome='failed' is not a value"),  # pushes' word
+    ('direction="d_to_p"', 'dir="d_to_p"', "label 'dir' is not a label of"),
+    ("by (direction, trigger, outcome)", "by (direction, trigger, result)",
+     "grouping label 'result' is not a known label"),
+    ("[$__rate_interval]", "[5m]", "rate() must use [$__rate_interval]"),
+    ("[$__range]", "[1h]", "window must be $__rate_interval or $__range"),
+    ('instance=~"$instance"', 'instance=~"$host"', "undefined variable $host"),
+    ("histogram_quantile(", "histogram_quantil(", "unknown PromQL function 'histogram_quantil'"),
+])
+def test_wrong_names_in_queries_fail(old: str, new: str, message: str) -> None:
+    dashboard = generate.build_dashboard()
+    mutate_expr(dashboard, old, new)
+    errors = generate.check_dashboard(dashboard)
+    assert any(message in e for e in errors), errors
+
+
+def test_panel_without_unit_or_metric_in_description_fails() -> None:
+    dashboard = generate.build_dashboard()
+    panels = list(generate.iter_panels(dashboard))
+    panels[0]["fieldConfig"]["defaults"]["unit"] = ""
+    panels[1]["description"] = "Handshakes."
+    panels[2]["datasource"] = {"type": "prometheus", "uid": "prometheus"}
+    errors = generate.check_dashboard(dashboard)
+    assert f"panel {panels[0]['title']!r}: no unit" in errors
+    assert any(e.startswith(f"panel {panels[1]['title']!r}: description does not name") for e in errors)
+    assert f"panel {panels[2]['title']!r}: datasource must be the $datasource variable" in errors
+
+
+def test_rules_with_unknown_names_fail() -> None:
+    rules = generate.build_rules()
+    alert = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "NixlPushesFailing")
+    alert["expr"] = alert["expr"].replace("vllm:nixl_pushes_total", "vllm:nixl_push_total")
+    record = rules["groups"][0]["rules"][0]
+    record["expr"] = record["expr"].replace("[5m]", "[$__rate_interval]")
+    errors = generate.check_rules(rules)
+    assert any("NixlPushesFailing" in e and "'vllm:nixl_push_total' is not defined" in e for e in errors)
+    assert any(record["record"] in e and "cannot use Grafana variables" in e for e in errors)
+
+
+# ------------------------------------------------------------------------ PromQL reading
+def test_promql_reader() -> None:
+    expr = ('sum by (le, direction) (rate(vllm:nixl_handshake_duration_seconds_bucket'
+            '{job=~"$job",direction="d_to_p",note="a:b(c)"}[$__rate_interval])) / '
+            '(sum(increase(vllm:nixl_pushes_total[5m] offset 1h)) > 1e-9) or vector(0) '
+            'unless on (instance) up == bool 1')
+    assert promql.metric_names(expr) == {"vllm:nixl_handshake_duration_seconds_bucket",
+                                         "vllm:nixl_pushes_total", "up"}
+    assert promql.range_calls(expr) == [("rate", "$__rate_interval"), ("increase", "5m")]
+    assert promql.grouping_labels(expr) == {"le", "direction", "instance"}
+    assert {(m.metric, m.label, m.op, m.value) for m in promql.matchers(expr)} == {
+        ("vllm:nixl_handshake_duration_seconds_bucket", "job", "=~", "$job"),
+        ("vllm:nixl_handshake_duration_seconds_bucket", "direction", "=", "d_to_p"),
+        ("vllm:nixl_handshake_duration_seconds_bucket", "note", "=", "a:b(c)"),
+    }
+    assert promql.variables(expr) == {"job", "__rate_interval"}
+    with pytest.raises(promql.PromQLError):
+        promql.metric_names("rates(x[5m])")
+    with pytest.raises(promql.PromQLError):
+        promql.range_calls("rate(x)")
+
+
+# ----------------------------------------------------------------------- the dashboard
+def test_dashboard_shape() -> None:
+    dashboard = json.loads((DASH / generate.DASHBOARD_FILE).read_text())
+    assert dashboard["schemaVersion"] == 39
+    assert dashboard["title"] == "NIXL push handshakes"
+    variables = dashboard["templating"]["list"]
+    assert [v["name"] for v in variables] == ["datasource", "job", "model_name", "instance", "engine"]
+    assert variables[0]["type"] == "datasource" and variables[0]["query"] == "prometheus"
+    defined: set[str] = {"datasource"}
+    for var in variables[1:]:
+        # label_values queries, each scoped only by the variables before it.
+        assert var["query"].startswith("label_values(") and var["query"] == var["definition"]
+        assert promql.variables(var["query"]) <= defined, var["name"]
+        defined.add(var["name"])
+    rows = [p for p in dashboard["panels"] if p["type"] == "row"]
+    stock = next(r for r in rows if r["title"] == "NIXL transfers (vLLM stock)")
+    assert stock["collapsed"] is True and stock["panels"]
+    stock_names = {s.name for s in V.STOCK_METRICS}
+    for panel in stock["panels"]:
+        for t in panel["targets"]:
+            assert {generate.series_index()[n].name for n in promql.metric_names(t["expr"])} <= stock_names
+
+
+def test_dashboard_layout_has_no_overlaps() -> None:
+    dashboard = generate.build_dashboard()
+    groups: list[list[dict[str, Any]]] = [[p for p in dashboard["panels"]]]
+    groups += [r["panels"] for r in dashboard["panels"] if r["type"] == "row" and r["collapsed"]]
+    for group in groups:
+        cells: set[tuple[int, int]] = set()
+        for panel in group:
+            g = panel["gridPos"]
+            assert g["x"] >= 0 and g["x"] + g["w"] <= 24, panel["title"]
+            mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+            assert not cells & mine, f"{panel['title']} overlaps another panel"
+            cells |= mine
+
+
+def test_required_panels_exist() -> None:
+    dashboard = generate.build_dashboard()
+    exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in generate.iter_panels(dashboard)}
+
+    def has(title: str, *needles: str) -> None:
+        assert title in exprs, title
+        text = " ".join(exprs[title])
+        for needle in needles:
+            assert needle in text, (title, needle)
+
+    has("Handshakes/s by direction and flavor", "sum by (direction, notif_agents_only)", "rate(")
+    has("D->P handshakes that were notification-only", 'notif_agents_only="true"', "[$__range]", "> 0)")
+    has("Descriptor registrations saved", "increase(vllm:nixl_descriptor_registrations_saved_total")
+    has("Descriptors saved", "increase(vllm:nixl_descriptors_saved_total", "[$__range]")
+    has("Descriptor registrations saved/s", "rate(vllm:nixl_descriptor_registrations_saved_total")
+    has("Descriptors saved/s", "rate(vllm:nixl_descriptors_saved_total")
+    has("Descriptors registered/s by full handshakes", "vllm:nixl_descriptors_registered_total")
+    has("Handshake latency p50 / p95 / p99 by flavor", "histogram_quantile(0.5,", "histogram_quantile(0.95,",
+        "histogram_quantile(0.99,", "vllm:nixl_handshake_duration_seconds_bucket", "notif_agents_only")
+    has("Per-phase latency p95", "by (le, direction, phase)")
+    has("Executor queue wait p50 / p95 / p99", 'phase="queue_wait"')
+    has("Handshake failures/s by phase and error type", "by (direction, phase, error_type)")
+    has("PUSH_REG notifications/s", "vllm:nixl_push_reg_notifs_total")
+    has("KV pushes/s: started / completed / failed", "vllm:nixl_pushes_total", "by (outcome)")
+
+
+# ------------------------------------------------------------------------------- rules
+def test_promtool_check_rules() -> None:
+    proc = promtool("check", "rules", str(RULES))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    n_rules = sum(len(g["rules"]) for g in generate.build_rules()["groups"])
+    assert f"SUCCESS: {n_rules} rules found" in proc.stdout
+
+
+def test_promtool_test_rules() -> None:
+    proc = promtool("test", "rules", str(RULES_TEST))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout
+
+
+def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
+    tests = yaml.safe_load(RULES_TEST.read_text())
+    alerts = {r["alert"] for g in generate.build_rules()["groups"] for r in g["rules"] if "alert" in r}
+    firing: set[str] = set()
+    quiet: set[str] = set()
+    for case in tests["tests"]:
+        for check in case.get("alert_rule_test", []):
+            (firing if check["exp_alerts"] else quiet).add(check["alertname"])
+    assert alerts == {"NixlFullDToPHandshake", "NixlHandshakeFailureRatioHigh",
+                      "NixlHandshakeLatencyP99High", "NixlHandshakeQueueWaitHigh", "NixlPushesFailing"}
+    assert firing == alerts and quiet == alerts
+
+
+def test_rule_test_series_use_the_vocabulary() -> None:
+    tests = yaml.safe_load(RULES_TEST.read_text())
+    series = [s["series"] for case in tests["tests"] for s in case.get("input_series", [])]
+    assert series
+    for selector in series:
+        assert generate.check_expr(selector, selector, allow_variables=False) == []
+        assert promql.metric_names(selector) <= generate.series_index().keys()
+
+
+def test_full_d_to_p_alert_is_the_regression_check() -> None:
+    rule = next(r for g in generate.build_rules()["groups"] for r in g["rules"]
+                if r.get("alert") == "NixlFullDToPHandshake")
+    assert 'increase(vllm:nixl_handshakes_total{direction="d_to_p",notif_agents_only="false"}[15m])' \
+        in rule["expr"]
+    assert "> 0" in rule["expr"]
+
+
+# ---------------------------------------------------------------------- deployment files
+def test_configmap_carries_the_dashboard() -> None:
+    configmap = yaml.safe_load((DASH / generate.CONFIGMAP_FILE).read_text())
+    assert configmap["kind"] == "ConfigMap"
+    assert configmap["metadata"]["labels"] == {"grafana_dashboard": "1"}
+    (name, text), = configmap["data"].items()
+    assert name == Path(generate.DASHBOARD_FILE).name
+    assert text == (DASH / generate.DASHBOARD_FILE).read_text()
+
+
+def test_prometheus_rule_carries_the_rules() -> None:
+    resource = yaml.safe_load((DASH / generate.PROMETHEUS_RULE_FILE).read_text())
+    assert resource["kind"] == "PrometheusRule"
+    assert resource["spec"] == yaml.safe_load(RULES.read_text())
+
+
+def test_promtool_check_stack_config() -> None:
+    proc = promtool("check", "config", str(STACK / "prometheus.yml"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The relative rule_files glob reaches our rules (and they pass too).
+    assert "SUCCESS: 1 rule files found" in proc.stdout
+    assert "nixl-push.rules.yaml" in proc.stdout
+
+
+def test_stack_and_provisioning_agree() -> None:
+    compose = yaml.safe_load((STACK / "docker-compose.yaml").read_text())
+    prometheus_yml = yaml.safe_load((STACK / "prometheus.yml").read_text())
+    services = compose["services"]
+    assert set(services) == {"prometheus", "grafana", "jaeger"}
+
+    def mounts(service: str) -> dict[str, str]:
+        out = {}
+        for volume in services[service]["volumes"]:
+            src, dst = volume.split(":")[:2]
+            out[dst] = src
+        return out
+
+    # Prometheus: the config's relative rule glob resolves inside the rules mount.
+    prom = mounts("prometheus")
+    config_arg = next(a for a in services["prometheus"]["command"] if a.startswith("--config.file="))
+    config_path = config_arg.split("=", 1)[1]
+    assert prom[config_path] == "./prometheus.yml"
+    (rule_glob,) = prometheus_yml["rule_files"]
+    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(config_path), rule_glob))
+    rules_dst = next(dst for dst, src in prom.items() if src == "../rules")
+    assert posixpath.dirname(resolved) == rules_dst
+    vllm_job = next(j for j in prometheus_yml["scrape_configs"] if j["job_name"] == "vllm")
+    assert vllm_job["static_configs"][0]["targets"] == ["host.docker.internal:8000"]
+    assert "host.docker.internal:host-gateway" in services["prometheus"]["extra_hosts"]
+
+    # Grafana: provisioning mounted, the provider's path is where the dashboards are mounted.
+    graf = mounts("grafana")
+    assert graf["/etc/grafana/provisioning"] == "../provisioning"
+    provider = yaml.safe_load((DASH / "provisioning/dashboards/nixl.yaml").read_text())["providers"][0]
+    assert graf[provider["options"]["path"]] == "../grafana"
+    home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == posixpath.join(provider["options"]["path"], Path(generate.DASHBOARD_FILE).name)
+    assert services["grafana"]["image"].startswith("grafana/grafana:10.4")
+    sources = yaml.safe_load((DASH / "provisioning/datasources/prometheus.yaml").read_text())["datasources"]
+    prom_ds = next(s for s in sources if s["type"] == "prometheus")
+    assert prom_ds["url"] == "http://prometheus:9090" and prom_ds["isDefault"] is True
+    assert prom_ds["jsonData"]["timeInterval"] == prometheus_yml["global"]["scrape_interval"]
+
+    # Jaeger all-in-one takes OTLP on both standard ports.
+    jaeger = services["jaeger"]
+    assert {"4317:4317", "4318:4318", "16686:16686"} <= set(jaeger["ports"])
+    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+
+
+def test_dashboard_json_is_deterministic() -> None:
+    first = generate.render_all()
+    assert first == generate.render_all()
+    assert generate.build_dashboard() == json.loads(first[generate.DASHBOARD_FILE])
