@@ -51,10 +51,12 @@ class Scenario:
 
 @pytest.fixture(scope="session")
 def trio(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Fork P, fork D and a stock decode engine S, all tracing into memory.
+    """Fork P and D, plus stock engines S (decode) and Q (prefill), tracing into memory.
 
     Script: D and S first reach P by heartbeat only (no registration yet), then
-    20 requests are pushed P->D through the fork.
+    20 requests are pushed P->D through the fork; the facts are recorded; then the
+    interop pushes P->S (stock PUSH_REG into the fork) and Q->D (our PUSH_REG, with
+    its extra trace-context key, into stock) run.
     """
     work = str(tmp_path_factory.mktemp("trio"))
     common = dict(num_layers=2, num_blocks=128, block_size=32, tracing="memory", workdir=work)
@@ -64,6 +66,8 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Any:
         EngineSpec(name="D", engine_id="decode-trio", kv_role="kv_consumer",
                    side_channel_port=free_port(), connector=FORK, **common),
         EngineSpec(name="S", engine_id="stock-decode-trio", kv_role="kv_consumer",
+                   side_channel_port=free_port(), connector=STOCK, **common),
+        EngineSpec(name="Q", engine_id="stock-prefill-trio", kv_role="kv_producer",
                    side_channel_port=free_port(), connector=STOCK, **common),
     ]
     with PushHarness(specs) as h:
@@ -87,4 +91,8 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Any:
         sc.facts["calls"] = {n: h[n].call("nixl_calls") for n in ("P", "D", "S")}
         sc.facts["pids"] = {n: h[n].info["pid"] for n in ("P", "D", "S")}
         sc.facts["affinity"] = {n: h[n].info["affinity"] for n in ("P", "D", "S")}
+        sc.facts["interop"] = {
+            "stock_decode_to_fork_prefill": h.push(3, prefill="P", decode="S"),
+            "fork_decode_to_stock_prefill": h.push(3, prefill="Q", decode="D"),
+        }
         yield sc

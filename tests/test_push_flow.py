@@ -25,6 +25,13 @@ def test_fork_pushes_20_requests_across_processes_bytes_verified(trio):
     print(f"push flow median over 20 requests: {report.median_latency_s * 1e3:.1f} ms")
 
 
+def test_interop_with_stock_peers_of_the_same_vllm_version(trio):
+    """Our PUSH_REG carries an extra key a stock P ignores; a stock PUSH_REG works with us."""
+    for name, report in trio.facts["interop"].items():
+        assert report.ok, (name, report)
+        assert report.verified == 3
+
+
 def test_engine_processes_have_their_cpu_affinity_restored(trio):
     # vLLM's CPU worker pins its process to one core; the harness restores it.
     for name, cpus in trio.facts["affinity"].items():

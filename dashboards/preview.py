@@ -1,0 +1,221 @@
+"""Render a PNG preview of the main dashboard panels from a real run.
+
+    python -m dashboards.preview [--out PATH] [--batches N]
+
+Starts the two-process push harness, serves P's and D's metrics front ends, starts a
+real Prometheus scraping both (1 s) with our rules, drives batches of pushes for about
+a minute, then runs each selected panel's own queries (from the generated dashboard,
+variables filled in as Grafana would) through `query_range`/`query` and draws them with
+matplotlib in the dashboard's layout order. Takes about two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dashboards import generate, promrun
+
+OUT = generate.ROOT / "preview" / "nixl-push-handshakes.png"
+JOB = "vllm"
+STEP_S = 1.0
+RATE_INTERVAL = "10s"
+
+STATS = ("D->P handshakes that were notification-only", "Full D->P handshakes",
+         "Descriptor registrations saved", "Descriptors saved")
+CHARTS = ("Handshakes/s by direction and flavor", "Handshake latency p50 / p95 / p99 by flavor",
+          "Descriptors saved/s", "Descriptors registered vs saved (range)",
+          "KV pushes/s: started / completed / failed", "PUSH_REG notifications/s",
+          "NIXL transfers/s and failures/s", "NIXL transfer and post time p50 / p99")
+
+
+def _legend(fmt: str, labels: dict[str, str]) -> str:
+    if fmt in ("", "__auto"):
+        return ",".join(f"{k}={v}" for k, v in sorted(labels.items())) or "value"
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt)
+
+
+def _fmt(value: float, unit: str) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if unit == "percentunit":
+        return f"{value * 100:.1f}%"
+    if unit == "s":
+        return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+    if unit.startswith("suffix:"):
+        return f"{value:.3g}{unit.split(':', 1)[1]}"
+    return f"{value:.0f}" if float(value).is_integer() else f"{value:.2f}"
+
+
+def _drive(h: Any, fronts: dict[str, Any], batches: int, pause_s: float) -> None:
+    """Batches of pushes, observing the engines' stats into the front ends as they arrive."""
+    sizes = [4, 2, 6, 3, 5, 4, 2, 6, 4, 3, 5, 4]
+    for i in range(batches):
+        report = h.push(sizes[i % len(sizes)])
+        if not report.ok:
+            raise RuntimeError(f"push batch {i} failed: {report}")
+        deadline = time.monotonic() + pause_s
+        while time.monotonic() < deadline:
+            for name, fe in fronts.items():
+                fe.observe(h.stats(name))
+            time.sleep(0.5)
+
+
+def collect(batches: int = 10, pause_s: float = 4.0, idle_s: float = 8.0) -> dict[str, Any]:
+    """Run harness + Prometheus; return every selected panel's query results."""
+    from harness import PushHarness
+
+    dashboard = generate.build_dashboard()
+    panels = {p["title"]: p for p in generate.iter_panels(dashboard)}
+    out: dict[str, Any] = {}
+    with PushHarness.pd(connector="fork") as h:
+        fronts = {name: h.frontend(name) for name in ("P", "D")}
+        try:
+            instances = [f"127.0.0.1:{fe.serve()}" for fe in fronts.values()]
+            with promrun.PrometheusServer([promrun.scrape_job(JOB, instances)],
+                                          rule_files=[promrun.RULES_PATH],
+                                          workdir=tempfile.mkdtemp(prefix="preview-prom-")) as prom:
+                prom.wait_for(f'min(count_over_time(up{{job="{JOB}"}}[1m]))', lambda v: (v or 0) >= 3,
+                              what="three scrapes of both front ends")
+                start = time.time()
+                time.sleep(idle_s)
+                _drive(h, fronts, batches, pause_s)
+                time.sleep(idle_s)
+                for name, fe in fronts.items():
+                    fe.observe(h.stats(name))
+                time.sleep(3)
+                end = time.time()
+                values = {"job": JOB, "model_name": "tiny-llama", "instance": ".*", "engine": "0",
+                          "__rate_interval": RATE_INTERVAL, "__range": f"{math.ceil(end - start)}s",
+                          "__interval": f"{STEP_S:g}s"}
+                for title in STATS + CHARTS:
+                    panel = panels[title]
+                    results = []
+                    for t in panel["targets"]:
+                        expr = promrun.fill_variables(t["expr"], values)
+                        if t.get("instant"):
+                            data = prom.query(expr, at=end)
+                        else:
+                            data = prom.query_range(expr, start, end, STEP_S)
+                        results.append((t["legendFormat"], data))
+                    out[title] = {"panel": panel, "results": results}
+        finally:
+            for fe in fronts.values():
+                fe.close()
+    out["_window"] = (start, end)
+    return out
+
+
+def render(data: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    start, end = data["_window"]
+    fig = plt.figure(figsize=(16, 19), dpi=100, facecolor="#111217")
+    rows = (len(CHARTS) + 1) // 2
+    grid = fig.add_gridspec(1 + rows, 4, height_ratios=[0.55] + [1] * rows,
+                            hspace=0.55, wspace=0.3, left=0.05, right=0.98, top=0.93, bottom=0.03)
+    fig.suptitle(f"{generate.DASHBOARD_TITLE} - preview from a real P/D push run "
+                 f"({time.strftime('%Y-%m-%d %H:%M', time.localtime(end))}, {end - start:.0f} s window)",
+                 color="white", fontsize=16)
+    text_kw = {"color": "#ccccdc"}
+
+    for i, title in enumerate(STATS):
+        ax = fig.add_subplot(grid[0, i])
+        panel = data[title]["panel"]
+        defaults = panel["fieldConfig"]["defaults"]
+        series = data[title]["results"][0][1]
+        if series:
+            value = float(series[0]["value"][1])
+            steps = defaults["thresholds"]["steps"]
+            color = steps[0]["color"]
+            for step in steps[1:]:
+                if value >= step["value"]:
+                    color = step["color"]
+            label = _fmt(value, defaults["unit"])
+        else:
+            color, label = "grey", defaults.get("noValue", "No data")
+        palette = {"green": "#1a7f37", "red": "#c4162a", "blue": "#1f60c4", "grey": "#3d3f46"}
+        ax.set_facecolor(palette.get(color, color))
+        ax.text(0.5, 0.42, label, ha="center", va="center", fontsize=30, color="white", weight="bold",
+                transform=ax.transAxes)
+        ax.set_title(title, fontsize=11, loc="left", **text_kw)
+        ax.set_xticks([])
+        ax.set_yticks([])
+
+    for i, title in enumerate(CHARTS):
+        ax = fig.add_subplot(grid[1 + i // 2, (i % 2) * 2:(i % 2) * 2 + 2])
+        ax.set_facecolor("#181b1f")
+        for spine in ax.spines.values():
+            spine.set_color("#2f3239")
+        ax.tick_params(colors="#9fa7b3", labelsize=9)
+        ax.grid(color="#2f3239", linewidth=0.6)
+        panel = data[title]["panel"]
+        unit = panel["fieldConfig"]["defaults"]["unit"]
+        ax.set_title(title, fontsize=12, loc="left", **text_kw)
+        drawn = 0
+        if panel["type"] == "bargauge":
+            bars = [(_legend(fmt, s["metric"]), float(s["value"][1]))
+                    for fmt, series in data[title]["results"] for s in series]
+            bars = [b for b in bars if b[1] > 0] or bars
+            names = [b[0] for b in bars]
+            ax.barh(names, [b[1] for b in bars], color="#73bf69")
+            for y, (_, v) in enumerate(bars):
+                ax.text(v, y, " " + _fmt(v, unit), va="center", color="white", fontsize=10)
+            ax.invert_yaxis()
+            drawn = len(bars)
+        else:
+            for fmt, series in data[title]["results"]:
+                for s in series:
+                    ts = [float(t) - start for t, _ in s["values"]]
+                    ys = [float(v) for _, v in s["values"]]
+                    scale = 1e3 if unit == "s" else 1.0
+                    ax.plot(ts, [y * scale for y in ys], linewidth=1.6, label=_legend(fmt, s["metric"]))
+                    drawn += 1
+            ax.set_xlim(0, end - start)
+            ax.set_xlabel("seconds into the run", color="#9fa7b3", fontsize=9)
+            ylabel = {"s": "ms", "percentunit": "share"}.get(unit, unit.removeprefix("suffix:").strip())
+            ax.set_ylabel(ylabel, color="#9fa7b3", fontsize=9)
+            ax.set_ylim(bottom=0)
+            if drawn:
+                legend = ax.legend(fontsize=8, loc="upper right", facecolor="#181b1f", edgecolor="#2f3239")
+                for text in legend.get_texts():
+                    text.set_color("#ccccdc")
+        if not drawn:
+            ax.text(0.5, 0.5, "No data", ha="center", va="center", color="#9fa7b3", fontsize=14,
+                    transform=ax.transAxes)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, facecolor=fig.get_facecolor())
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dashboards.preview", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--batches", type=int, default=10, help="push batches, ~4 s apart")
+    parser.add_argument("--save-data", type=Path, help="also write the query results as JSON")
+    parser.add_argument("--from-data", type=Path, help="render saved query results, no run")
+    args = parser.parse_args(argv)
+    if args.from_data:
+        data = json.loads(args.from_data.read_text())
+    else:
+        data = collect(batches=args.batches)
+        if args.save_data:
+            args.save_data.write_text(json.dumps(data))
+    print(f"wrote {render(data, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
