@@ -103,8 +103,10 @@ def hsum(spec: MetricSpec) -> str:
 def eq(label: str, value: object) -> str:
     """An exact label matcher; the value must be one the vocabulary allows."""
     text = str(value)
-    assert text in V.LABEL_VALUES[label] or any(
-        text in values for (_, lab), values in VALUE_SETS.items() if lab == label), (label, text)
+    allowed = set(V.LABEL_VALUES[label]).union(
+        *(values for (_, lab), values in VALUE_SETS.items() if lab == label))
+    if text not in allowed:
+        raise ValueError(f"{label}={text!r} is not in the vocabulary ({sorted(allowed)})")
     return f'{label}="{text}"'
 
 
@@ -233,13 +235,14 @@ def _overview() -> list[tuple[dict[str, Any], int, int]]:
         (stat("Descriptor registrations saved",
               "NIXL descriptor lists (prep_xfer_dlist calls) that notification-only handshakes "
               "skipped in the dashboard range: increase of "
-              f"{V.DESCRIPTOR_REGISTRATIONS_SAVED.name}_total over $__range (Prometheus "
-              "extrapolates increase() to the range edges, so small totals may show fractions).",
+              f"{V.DESCRIPTOR_REGISTRATIONS_SAVED.name}_total over $__range (an estimate: "
+              "increase() extrapolates to the range edges).",
               regs, COUNT_UNIT, thresholds=_thresholds(("blue", None)), no_value="0", decimals=0),
          6, 5),
         (stat("Descriptors saved",
               "Descriptors that notification-only handshakes did not prepare in the dashboard "
-              f"range: increase of {V.DESCRIPTORS_SAVED.name}_total over $__range.",
+              f"range: increase of {V.DESCRIPTORS_SAVED.name}_total over $__range (an estimate: "
+              "increase() extrapolates to the range edges).",
               descs, COUNT_UNIT, thresholds=_thresholds(("blue", None)), no_value="0", decimals=0),
          6, 5),
     ]
@@ -569,7 +572,7 @@ def _rules() -> dict[str, Any]:
     alerts = [
         {"alert": "NixlFullDToPHandshake",
          "expr": f"(sum {by(*INSTANCE)} (increase({full_d_to_p}[{win}])) > 0)\nor\n"
-                 f"count {by(*INSTANCE)} ({full_d_to_p} unless {full_d_to_p} offset {win})",
+                 f"count {by(*INSTANCE)} (({full_d_to_p} > 0) unless {full_d_to_p} offset {win})",
          "labels": {"severity": "warning"},
          "annotations": {
              "summary": "Full D->P NIXL handshake in push mode on {{ $labels.instance }}",

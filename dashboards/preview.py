@@ -41,9 +41,11 @@ def _legend(fmt: str, labels: dict[str, str]) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt)
 
 
-def _fmt(value: float, unit: str) -> str:
+def _fmt(value: float, unit: str, decimals: int | None = None) -> str:
     if math.isnan(value):
         return "NaN"
+    if decimals is not None and unit not in ("percentunit", "s"):
+        return f"{value:.{decimals}f}"
     if unit == "percentunit":
         return f"{value * 100:.1f}%"
     if unit == "s":
@@ -140,7 +142,7 @@ def render(data: dict[str, Any], path: Path) -> Path:
             for step in steps[1:]:
                 if value >= step["value"]:
                     color = step["color"]
-            label = _fmt(value, defaults["unit"])
+            label = _fmt(value, defaults["unit"], defaults.get("decimals"))
         else:
             color, label = "grey", defaults.get("noValue", "No data")
         palette = {"green": "#1a7f37", "red": "#c4162a", "blue": "#1f60c4", "grey": "#3d3f46"}
@@ -169,7 +171,8 @@ def render(data: dict[str, Any], path: Path) -> Path:
             names = [b[0] for b in bars]
             ax.barh(names, [b[1] for b in bars], color="#73bf69")
             for y, (_, v) in enumerate(bars):
-                ax.text(v, y, " " + _fmt(v, unit), va="center", color="white", fontsize=10)
+                ax.text(v, y, " " + _fmt(v, unit, panel["fieldConfig"]["defaults"].get("decimals")),
+                        va="center", color="white", fontsize=10)
             ax.invert_yaxis()
             drawn = len(bars)
         else:

@@ -377,3 +377,14 @@ def test_dashboard_json_is_deterministic() -> None:
     first = generate.render_all()
     assert first == generate.render_all()
     assert generate.build_dashboard() == json.loads(first[generate.DASHBOARD_FILE])
+
+
+def test_readme_lists_every_panel_and_rule() -> None:
+    readme = (DASH / "README.md").read_text()
+    for panel in generate.iter_panels(generate.build_dashboard()):
+        assert f"| {panel['title']}" in readme, panel["title"]
+    for group in generate.build_rules()["groups"]:
+        for rule in group["rules"]:
+            assert f"`{rule.get('alert') or rule.get('record')}`" in readme
+    assert "preview/nixl-push-handshakes.png" in readme
+    assert (DASH / "preview" / "nixl-push-handshakes.png").stat().st_size > 50_000

@@ -36,6 +36,18 @@ class ObservedPromMetrics(NixlPromMetrics):
                 for notif in (True, False):
                     self._child(V.HANDSHAKE_DURATION, idx, direction.value, bool_label(notif),
                                 V.Outcome.SUCCESS.value)
+                    # rate()/increase() cannot see a series' first sample: a counter
+                    # born at 1 (often the only D->P handshake per peer) would never
+                    # show. 32 counters + 20 histograms per engine.
+                    for trigger in V.Trigger:
+                        for outcome in V.Outcome:
+                            self._child(V.HANDSHAKES, idx, direction.value, trigger.value,
+                                        bool_label(notif), outcome.value)
+                    for phase in V.Phase:
+                        if notif and phase in V.FULL_ONLY_PHASES:
+                            continue
+                        self._child(V.HANDSHAKE_PHASE_DURATION, idx, direction.value,
+                                    bool_label(notif), phase.value)
                 self._child(V.DESCRIPTOR_REGISTRATIONS_SAVED, idx, direction.value)
                 self._child(V.DESCRIPTORS_SAVED, idx, direction.value)
                 for which in V.DescriptorList:
