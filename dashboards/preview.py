@@ -31,6 +31,7 @@ STATS = ("D->P handshakes that were notification-only", "Full D->P handshakes",
          "Descriptor registrations saved", "Descriptors saved")
 CHARTS = ("Handshakes/s by direction and flavor", "Handshake latency p50 / p95 / p99 by flavor",
           "Descriptors saved/s", "Descriptors registered vs saved (range)",
+          "Executor queue wait p50 / p95 / p99", "Per-phase latency p95",
           "KV pushes/s: started / completed / failed", "PUSH_REG notifications/s",
           "NIXL transfers/s and failures/s", "NIXL transfer and post time p50 / p99")
 
@@ -121,7 +122,7 @@ def render(data: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     start, end = data["_window"]
-    fig = plt.figure(figsize=(16, 19), dpi=100, facecolor="#111217")
+    fig = plt.figure(figsize=(16, 4 + 3 * ((len(CHARTS) + 1) // 2)), dpi=100, facecolor="#111217")
     rows = (len(CHARTS) + 1) // 2
     grid = fig.add_gridspec(1 + rows, 4, height_ratios=[0.55] + [1] * rows,
                             hspace=0.55, wspace=0.3, left=0.05, right=0.98, top=0.93, bottom=0.03)
