@@ -65,38 +65,78 @@ def handshake_bench(layers: int, blocks: int, rounds: int) -> dict[str, float]:
             "fork_rss_mib": rss["F"] / 2**20, "stock_rss_mib": rss["S"] / 2**20}
 
 
-def push_bench(requests: int, batches: int) -> dict[str, float]:
-    receiver = OtlpGrpcReceiver()
+def _interleaved(harnesses: dict[str, PushHarness], requests: int, batches: int) -> dict[str, list[float]]:
+    """Push batches through each harness in alternating order; latencies per harness."""
     per_batch = max(1, requests // batches)
-    lat: dict[str, list[float]] = {"fork": [], "stock": []}
+    lat: dict[str, list[float]] = {name: [] for name in harnesses}
+    for h in harnesses.values():  # the first push pays the handshakes; not measured
+        assert h.push(1).ok
+    names = list(harnesses)
+    for i in range(batches):
+        for name in names if i % 2 == 0 else names[::-1]:
+            report = harnesses[name].push(per_batch)
+            assert report.ok, report
+            lat[name].extend(report.latencies_s.values())
+    return lat
+
+
+def _pair(a: tuple[str, dict], b: tuple[str, dict], requests: int, batches: int,
+          blocks: int) -> dict[str, float]:
+    """Median latency (ms) of two harnesses alive at once, batches interleaved."""
+    (name_a, kw_a), (name_b, kw_b) = a, b
+    with PushHarness.pd(num_blocks=blocks, **kw_a) as ha, PushHarness.pd(num_blocks=blocks, **kw_b) as hb:
+        lat = _interleaved({name_a: ha, name_b: hb}, requests, batches)
+        for h in (ha, hb):
+            for engine in ("P", "D"):
+                h[engine].call("spans")  # flush any batch span processor before stopping
+    return {name: statistics.median(v) * 1e3 for name, v in lat.items()}
+
+
+def push_bench(requests: int, batches: int) -> dict[str, float]:
+    """Three side-by-side pairs: fork vs stock, fork traced vs untraced, and an A/A control."""
     blocks = 2 * requests + 16
+    receiver = OtlpGrpcReceiver()
+    tracing = {"endpoint": receiver.endpoint, "protocol": "grpc"}
     try:
-        fork = PushHarness.pd(connector=FORK, num_blocks=blocks,
-                              tracing={"endpoint": receiver.endpoint, "protocol": "grpc"})
-        stock = PushHarness.pd(connector=STOCK, num_blocks=blocks)
-        with fork, stock:
-            for h in (fork, stock):  # first push pays the handshakes; not measured
-                assert h.push(1).ok
-            for i in range(batches):
-                pair = [("fork", fork), ("stock", stock)]
-                order = pair if i % 2 == 0 else pair[::-1]
-                for name, h in order:
-                    report = h.push(per_batch)
-                    assert report.ok, report
-                    lat[name].extend(report.latencies_s.values())
-            fork["P"].call("spans")
-            time.sleep(1.0)
+        vs_stock = _pair(("fork", {"connector": FORK}), ("stock", {"connector": STOCK}),
+                         requests, batches, blocks)
+        traced = _pair(("traced", {"connector": FORK, "tracing": tracing}),
+                       ("off", {"connector": FORK}), requests, batches, blocks)
+        control = _pair(("A", {"connector": FORK}), ("B", {"connector": FORK}), requests, batches, blocks)
+        time.sleep(1.0)
         spans = len(receiver.snapshot())
     finally:
         receiver.close()
-    med = {n: statistics.median(v) for n, v in lat.items()}
-    print(f"\n== push flow, {len(lat['fork'])} requests per connector in {batches} interleaved batches "
-          "(registration handed to D's worker -> D reports the KV landed)")
-    print(f"fork + OTLP tracing : median {med['fork'] * 1e3:7.2f} ms ({spans} spans exported)")
-    print(f"stock               : median {med['stock'] * 1e3:7.2f} ms")
-    print(f"ratio fork/stock    : {med['fork'] / med['stock']:.3f}")
-    return {"fork_ms": med["fork"] * 1e3, "stock_ms": med["stock"] * 1e3,
-            "ratio": med["fork"] / med["stock"], "spans": spans}
+    rows = [
+        ("fork (tracing off) / stock", vs_stock["fork"], vs_stock["stock"]),
+        ("fork OTLP/gRPC traced / fork tracing off", traced["traced"], traced["off"]),
+        ("A/A control: fork / fork", control["A"], control["B"]),
+    ]
+    print(f"\n== push flow latency (registration handed to D's worker -> D reports the KV landed), "
+          f"medians over {requests} requests per engine pair, {batches} interleaved batches; "
+          "each pair runs with both harnesses alive")
+    for label, x, y in rows:
+        print(f"{label:42s}: {x:7.2f} ms vs {y:7.2f} ms  ratio {x / y:.3f}")
+    print(f"spans exported by the traced pair: {spans}")
+    return {label: x / y for label, x, y in rows}
+
+
+def step_bench(rounds: int = 5, steps: int = 2000) -> dict[str, float]:
+    """Cost of one idle engine-loop step (start_load_kv + get_transfer_results + stats)."""
+    samples: dict[str, list[float]] = {"fork": [], "stock": []}
+    with PushHarness.pd(connector=FORK) as fork, PushHarness.pd(connector=STOCK) as stock:
+        pair = [("fork", fork), ("stock", stock)]
+        for h in (fork, stock):
+            assert h.push(2).ok
+        for i in range(rounds):
+            for name, h in pair if i % 2 == 0 else pair[::-1]:
+                samples[name].extend(h[e].call("step_cost", steps) for e in ("P", "D"))
+    med = {n: statistics.median(v) * 1e6 for n, v in samples.items()}
+    print(f"\n== idle engine-loop step (worker start_load_kv + get_transfer_results + stats), "
+          f"median of {rounds} rounds x {steps} steps per engine")
+    print(f"fork {med['fork']:.1f} us vs stock {med['stock']:.1f} us  ratio {med['fork'] / med['stock']:.2f} "
+          f"(+{med['fork'] - med['stock']:.1f} us per step)")
+    return med
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,13 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=16384)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--requests", type=int, default=80)
     parser.add_argument("--skip-push", action="store_true")
-    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--skip-handshake", action="store_true")
+    parser.add_argument("--batches", type=int, default=8)
     args = parser.parse_args(argv)
-    handshake_bench(args.layers, args.blocks, args.rounds)
+    if not args.skip_handshake:
+        handshake_bench(args.layers, args.blocks, args.rounds)
     if not args.skip_push:
         push_bench(args.requests, args.batches)
+    step_bench()
     return 0
 
 

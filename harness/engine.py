@@ -267,6 +267,16 @@ class Engine:
         """Drop a remote engine (vLLM's TTL eviction path) so it can be re-measured."""
         self.worker._cleanup_remote_engine(engine_id)
 
+    def cmd_step_cost(self, n: int) -> float:
+        """Median seconds of one idle engine step (what every engine iteration pays)."""
+        samples = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.step()
+            samples.append(time.perf_counter() - t0)
+        samples.sort()
+        return samples[len(samples) // 2]
+
     def cmd_now(self) -> float:
         return time.perf_counter()
 
