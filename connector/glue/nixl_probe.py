@@ -45,10 +45,6 @@ class NixlAgentProbe:
         object.__setattr__(self, name, value)
         return value
 
-    @property
-    def wrapped(self) -> Any:
-        return self._agent
-
     def add_remote_agent(self, metadata: bytes) -> Any:
         record = ActiveRecord.get()
         if record is None:

@@ -16,7 +16,6 @@ from typing import Any
 import zmq
 
 from connector.vocabulary import (
-    FULL_ONLY_PHASES,
     DescriptorList,
     Direction,
     ErrorType,
@@ -178,9 +177,6 @@ class HandshakeRecord:
             "saved_registrations": self.saved_registrations,
             "saved_descriptors": self.saved_descriptors,
         }
-
-    def ran_full_only_phase(self) -> bool:
-        return any(seg.phase in FULL_ONLY_PHASES for seg in self.segments)
 
 
 class ActiveRecord:
