@@ -273,6 +273,20 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     PUSHES,
 )
 
+# `outcome` is a different closed set per metric; LABEL_VALUES holds the union.
+METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
+    (HANDSHAKES.name, Label.OUTCOME): tuple(o.value for o in Outcome),
+    (HANDSHAKE_DURATION.name, Label.OUTCOME): tuple(o.value for o in Outcome),
+    (PUSH_REG_NOTIFS.name, Label.OUTCOME): tuple(o.value for o in NotifOutcome),
+    (PUSHES.name, Label.OUTCOME): tuple(e.value for e in PushEvent),
+}
+
+
+def allowed_values(metric: str, label: str) -> tuple[str, ...]:
+    """The closed set of values `label` may take on `metric`."""
+    return METRIC_LABEL_VALUES.get((metric, label), LABEL_VALUES.get(label, ()))
+
+
 # Stock vLLM NIXL metrics we keep emitting unchanged (dashboards may query them).
 STOCK_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("vllm:nixl_xfer_time_seconds", MetricKind.HISTOGRAM, (), "NIXL transfer duration.", "s"),

@@ -52,14 +52,8 @@ VARIABLE_SOURCE = V.PUSHES.series_names[0]
 # Labels Prometheus or vLLM put on every series, besides the vocabulary's own.
 BASE_LABELS = frozenset({"job", "instance", Label.MODEL_NAME, Label.ENGINE})
 VOCAB_LABELS = frozenset(V.LABEL_VALUES)
-# `outcome` means a different closed set per metric; LABEL_VALUES holds their union
-# minus the push events, so the per-metric set is the precise one.
-VALUE_SETS: dict[tuple[str, str], tuple[str, ...]] = {
-    (V.HANDSHAKES.name, Label.OUTCOME): tuple(o.value for o in V.Outcome),
-    (V.HANDSHAKE_DURATION.name, Label.OUTCOME): tuple(o.value for o in V.Outcome),
-    (V.PUSH_REG_NOTIFS.name, Label.OUTCOME): tuple(o.value for o in V.NotifOutcome),
-    (V.PUSHES.name, Label.OUTCOME): tuple(e.value for e in V.PushEvent),
-}
+# Per-metric label value sets (e.g. `outcome`) come from the vocabulary.
+VALUE_SETS: dict[tuple[str, str], tuple[str, ...]] = V.METRIC_LABEL_VALUES
 
 # Alert thresholds (seconds / ratios); see dashboards/README.md.
 FAILURE_RATIO_THRESHOLD = 0.10
