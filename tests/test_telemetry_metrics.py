@@ -95,8 +95,25 @@ def test_real_metrics_endpoint_passes_promtool(frontends):
     fe = frontends["D"]
     port = fe.serve()
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    saved = 'vllm:nixl_descriptors_saved_total{direction="d_to_p",engine="0",model_name="tiny-llama"}'
-    assert f"{saved} 256.0" in body
+    # Parse the exposition as a scraper would and compare every one of our samples with
+    # the ground truth the registry was fed from.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from connector.vocabulary import ALL_METRICS
+
+    ours = {spec.name for spec in ALL_METRICS}
+    parsed = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for fam in text_string_to_metric_families(body) if fam.name in ours
+              for s in fam.samples}
+    assert parsed[("vllm:nixl_descriptors_saved_total",
+                   (("direction", "d_to_p"), ("engine", "0"), ("model_name", "tiny-llama")))] == 256
+    # Every counter is exposed, except phase failures: created at the first failure.
+    counters = {f"{n}_total" for n in ours if "seconds" not in n}
+    assert {name for name, _ in parsed} >= counters - {"vllm:nixl_handshake_phase_failures_total"}
+    for (name, labels), value in parsed.items():
+        if name.endswith("_created"):
+            continue
+        assert fe.registry.get_sample_value(name, dict(labels)) == value, (name, labels)
     promtool = shutil.which("promtool")
     assert promtool, "make test installs Debian's prometheus (promtool)"
     res = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, text=True)
