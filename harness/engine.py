@@ -22,6 +22,10 @@ from typing import Any
 from harness.config import EngineSpec, build_kv_cache_config, build_vllm_config, engine_env
 
 STEP_INTERVAL_S = 0.001
+# Like vLLM's engine core, which blocks when it has no work, an engine with nothing
+# happening for a while steps less often, so idle engines do not starve busy ones.
+ACTIVE_WINDOW_S = 2.0
+IDLE_INTERVAL_S = 0.02
 # vLLM's scheduler sends heartbeats every kv_lease_duration // 6 s (30 s lease -> 5 s).
 HEARTBEAT_INTERVAL_S = 5.0
 SENTINEL = 7.0  # value of every KV element no push wrote
@@ -110,7 +114,8 @@ class Engine:
 
         return NixlConnectorMetadata()
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One engine iteration; True when transfers finished or stats were produced."""
         meta = self.pending_meta
         self.pending_meta = self._new_meta()
         meta.scheduler_clock = time.perf_counter()
@@ -132,6 +137,7 @@ class Engine:
         stats = self.worker_connector.get_kv_connector_stats()
         if stats is not None:
             self.stats.append(stats.to_dict())
+        return bool(stats is not None or results.finished_recving or results.finished_sending)
 
     # ---------------------------------------------------------------- commands
     def cmd_info(self) -> dict[str, Any]:
@@ -305,9 +311,12 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
     conn.send(("ok", engine.cmd_info()))
+    last_activity = time.perf_counter()
     try:
         while True:
-            if conn.poll(STEP_INTERVAL_S):
+            idle = time.perf_counter() - last_activity > ACTIVE_WINDOW_S
+            if conn.poll(IDLE_INTERVAL_S if idle else STEP_INTERVAL_S):
+                last_activity = time.perf_counter()
                 name, args = conn.recv()
                 if name == "stop":
                     break
@@ -315,7 +324,8 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
                     conn.send(("ok", getattr(engine, f"cmd_{name}")(*args)))
                 except Exception as exc:
                     conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-            engine.step()
+            if engine.step():
+                last_activity = time.perf_counter()
     finally:
         engine.shutdown()
         conn.send(("ok", None))
