@@ -256,10 +256,9 @@ class Engine:
         w, eid = self.worker, prefill["engine_id"]
         rss0 = _rss_bytes()
         t0 = time.perf_counter()
-        if hasattr(w, "_triggered_by"):
-            with w._triggered_by(Trigger.HEARTBEAT):
-                fut = w._ensure_handshake(eid, prefill["host"], prefill["port"], 1, 1, 1, False)
-        else:
+        as_heartbeat = (w._triggered_by(Trigger.HEARTBEAT) if hasattr(w, "_triggered_by")
+                        else contextlib.nullcontext())
+        with as_heartbeat:
             fut = w._ensure_handshake(eid, prefill["host"], prefill["port"], 1, 1, 1, False)
         if fut is not None:
             fut.result(timeout=120)

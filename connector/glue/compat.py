@@ -7,6 +7,7 @@ against the installed base signature instead of hard-coding one release's order.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections import defaultdict
@@ -45,10 +46,19 @@ def accepted(func: Any, **named: Any) -> dict[str, Any]:
     `remote_dcp_size` (and later `pcp` arguments) across releases; we pass what we
     know by name and let the installed signature decide what it takes.
     """
+    names = _param_names(func)
+    if names is None:
+        return named
+    return {k: v for k, v in named.items() if k in names}
+
+
+@functools.cache
+def _param_names(func: Any) -> frozenset[str] | None:
+    """Parameter names of `func` (None when it takes **kwargs); inspected once."""
     params = inspect.signature(func).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return named
-    return {k: v for k, v in named.items() if k in params}
+        return None
+    return frozenset(params)
 
 
 class RemoteAgentTable(defaultdict):
