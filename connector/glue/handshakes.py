@@ -1,0 +1,319 @@
+"""Handshake control: which flavor a handshake gets, and the handshake itself, observed.
+
+- `_ensure_handshake` (re-implemented in our words; no seam for flavor or timing):
+  every handshake a D starts (PUSH_REG or heartbeat) is notification-only, P->D
+  handshakes before a WRITE are full, and a notification-only connection is
+  upgraded to a full one when a WRITE needs it (kv_both).
+- `_observed_handshake` (our words for vLLM's `_nixl_handshake`): the same
+  side-channel exchange and checks, cut into the vocabulary's phases.
+- Thin overrides of the methods vLLM's full `add_remote_agent` calls mark where one
+  phase ends and the next begins; the business logic stays vLLM's.
+The handshake thread fills a plain record; spans and stats are built from it when
+the handshake is over.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import msgspec
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+    NixlBaseConnectorWorker as _BASE,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlAgentMetadata,
+    NixlHandshakePayload,
+)
+from vllm.platforms import current_platform
+
+from connector.glue.compat import accepted, bind_handshake_tail
+from connector.glue.side_channel import SideChannelClient
+from connector.telemetry.record import (
+    ActiveRecord,
+    HandshakeError,
+    HandshakeRecord,
+    PhaseSegment,
+)
+from connector.telemetry.savings import full_handshake_saving
+from connector.vocabulary import (
+    Attr,
+    Direction,
+    ErrorType,
+    Phase,
+    Trigger,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HANDSHAKE_TIMEOUT_MS = 5000
+
+
+class HandshakeFlow:
+    """Mixin for `NixlPushConnectorWorker`: handshake flavor, dedup, upgrade and phases.
+
+    State it expects (set by the worker's `__init__`): `_trigger_local`,
+    `_notif_only_engines`, `_pending_notif_only`, `_handshake_timeout_ms`, `_kv_role`,
+    `_spans`, `xfer_stats`, and vLLM's own handshake attributes.
+    """
+
+    # ------------------------------------------------------------------ triggers
+    @contextmanager
+    def _triggered_by(self, trigger: Trigger) -> Iterator[None]:
+        previous = getattr(self._trigger_local, "trigger", None)
+        self._trigger_local.trigger = trigger
+        try:
+            yield
+        finally:
+            self._trigger_local.trigger = previous
+
+    def _flavor_for(self, trigger: Trigger, requested_notif_only: bool) -> tuple[Direction, bool]:
+        """Direction and flavor of a handshake from what started it."""
+        if trigger in (Trigger.PUSH_REG, Trigger.HEARTBEAT):
+            # D only ever sends notifications to P in push mode.
+            return Direction.D_TO_P, True
+        if trigger is Trigger.PUSH_WRITE:
+            return Direction.P_TO_D, False
+        if self._kv_role == "kv_consumer" or requested_notif_only:
+            return Direction.D_TO_P, requested_notif_only
+        return Direction.P_TO_D, requested_notif_only
+
+    # --------------------------------------------------------- handshake control
+    def _ensure_handshake(self, engine_id: str, host: str, port: int, tp_size: int,
+                          *args: Any, **kwargs: Any) -> Future | None:
+        """Start (or join) the handshake to `engine_id`; None when already usable."""
+        tail = bind_handshake_tail(args, kwargs)
+        trigger = getattr(self._trigger_local, "trigger", None) or Trigger.OTHER
+        direction, notif_only = self._flavor_for(trigger, bool(tail.get("notif_agents_only", False)))
+        self._evict_stale_engines()
+        with self._handshake_lock:
+            connected = engine_id in self._remote_agents
+            if connected and (notif_only or engine_id not in self._notif_only_engines):
+                return None
+            pending = self._handshake_futures.get(engine_id)
+            pending_notif_only = self._pending_notif_only.get(engine_id, True)
+            if pending is not None and (notif_only or not pending_notif_only):
+                self._note_joined_handshake(engine_id, pending_notif_only)
+                return pending
+            # What remains: no handshake yet, or a WRITE needs descriptors from a peer
+            # reached (or being reached) notification-only. The one-thread executor
+            # runs an upgrade after any queued notification-only handshake.
+            upgrade = connected or pending is not None
+            return self._submit_handshake(engine_id, host, port, tp_size, tail, direction, trigger,
+                                          notif_only=notif_only and not upgrade, upgrade=upgrade)
+
+    def _note_joined_handshake(self, engine_id: str, notif_only: bool) -> None:
+        """Mark on the caller's span that it waits for a handshake someone else started.
+
+        (vLLM dedups handshakes by engine id: a PUSH_REG often waits on the one a
+        heartbeat started, which lives in its own trace.)
+        """
+        if not self._spans.enabled:
+            return
+        try:
+            span = trace.get_current_span()
+            if span.is_recording():
+                span.add_event("nixl.handshake.joined", {Attr.REMOTE_ENGINE_ID: engine_id,
+                                                          Attr.NOTIF_AGENTS_ONLY: notif_only})
+        except Exception:
+            logger.debug("span event dropped", exc_info=True)
+
+    def _submit_handshake(self, engine_id: str, host: str, port: int, tp_size: int,
+                          tail: dict[str, Any], direction: Direction, trigger: Trigger, *,
+                          notif_only: bool, upgrade: bool) -> Future:
+        """Queue one handshake on vLLM's one-thread executor (lock held by caller)."""
+        record = HandshakeRecord(
+            direction=direction, trigger=trigger, notif_only=notif_only,
+            remote_engine_id=engine_id, host=host, port=int(port),
+            remote_tp_size=int(tp_size), remote_pp_size=int(tail.get("pp_size", 1) or 1),
+            local_tp_rank=self.tp_rank, local_engine_id=self.engine_id, upgrade=upgrade,
+            parent_context=otel_context.get_current() if self._spans.enabled else None,
+        )
+        fut = self._handshake_initiation_executor.submit(
+            self._run_handshake, record, int(tail.get("dcp_size", 1) or 1))
+        self._handshake_futures[engine_id] = fut
+        self._pending_notif_only[engine_id] = notif_only
+        fut.add_done_callback(partial(self._on_handshake_done, record))
+        return fut
+
+    def _on_handshake_done(self, record: HandshakeRecord, fut: Future) -> None:
+        eid = record.remote_engine_id
+        with self._handshake_lock:
+            if self._handshake_futures.get(eid) is fut:
+                del self._handshake_futures[eid]
+                self._pending_notif_only.pop(eid, None)
+            try:
+                remote_agents, clock_offset = fut.result()
+            except Exception as exc:
+                self._log_failure(failure_type="handshake_setup_failed", req_id=None,
+                                  error=exc, remote_engine_id=eid)
+                self.xfer_stats.record_failed_handshake()
+            else:
+                self._remote_agents[eid] = remote_agents
+                if record.notif_only:
+                    self._notif_only_engines.add(eid)
+                else:
+                    self._notif_only_engines.discard(eid)
+                self._engine_clock_offset[eid] = clock_offset
+                self._engine_last_active[eid] = time.perf_counter()
+                track = getattr(self, "_track_remote_engine_replacement", None)
+                if track is not None:
+                    track(eid, record.host, record.port)
+        self._publish_handshake(record)
+
+    def _publish_handshake(self, record: HandshakeRecord) -> None:
+        try:
+            self.xfer_stats.record_handshake(record)
+            self._spans.emit_handshake(record)
+        except Exception:
+            logger.debug("handshake telemetry dropped", exc_info=True)
+
+    def _run_handshake(self, record: HandshakeRecord, remote_dcp_size: int) -> tuple[dict, float]:
+        """Executor job: the handshake, with the record active on this thread."""
+        started = time.time_ns()
+        record.segments.append(PhaseSegment(Phase.QUEUE_WAIT, record.submitted_ns, started))
+        ActiveRecord.set(record)
+        if record.upgrade:
+            self._remote_agents.hide_from_this_thread(record.remote_engine_id)
+        try:
+            result = self._observed_handshake(record, remote_dcp_size)
+        except BaseException as exc:
+            record.finish(exc)
+            raise
+        finally:
+            ActiveRecord.set(None)
+            self._remote_agents.hide_from_this_thread(None)
+        record.finish()
+        return result
+
+    def _observed_handshake(self, record: HandshakeRecord,
+                            remote_dcp_size: int) -> tuple[dict[tuple[int, int], str], float]:
+        """vLLM's handshake sequence, in our words, one phase at a time."""
+        if self._is_csa_linear:
+            self._validate_csa_linear_tp_layout(record.remote_tp_size)
+        if not self.use_host_buffer:
+            # The executor thread needs the device context for UCX to use it.
+            current_platform.set_device(self.device_id)
+        assert self.transfer_topo is not None
+        target_ranks = self.transfer_topo.handshake_target_ranks(record.remote_tp_size, remote_dcp_size)
+        agents: dict[tuple[int, int], str] = {}
+        best_rtt, best_offset = float("inf"), 0.0
+        with SideChannelClient(record.host, record.port, self._handshake_timeout_ms) as channel:
+            for pp_rank, tp_rank in itertools.product(range(record.remote_pp_size), target_ranks):
+                record.set_rank(pp_rank, tp_rank)
+                record.enter(Phase.METADATA_FETCH)
+                reply = channel.fetch(pp_rank, tp_rank)
+                if reply.rtt < best_rtt:
+                    best_rtt, best_offset = reply.rtt, reply.clock_offset
+                record.enter(Phase.METADATA_DECODE)
+                meta = self._decode_and_check(reply.payload, record.remote_engine_id, channel.path)
+                if record.notif_only:
+                    self._count_saving(record, meta)
+                    record.enter(Phase.AGENT_LOAD)
+                    name = self._add_notif_only_remote_agent(meta, **accepted(
+                        _BASE._add_notif_only_remote_agent, remote_tp_size=record.remote_tp_size,
+                        remote_dcp_size=meta.dcp_size))
+                else:
+                    record.enter(Phase.TRANSFER_PLAN)
+                    name = self.add_remote_agent(meta, **accepted(
+                        _BASE.add_remote_agent, remote_tp_rank=tp_rank,
+                        remote_tp_size=record.remote_tp_size, remote_dcp_size=meta.dcp_size))
+                record.close_phase()
+                agents[(pp_rank, tp_rank)] = name
+        return agents, best_offset
+
+    def _decode_and_check(self, payload_bytes: bytes, expected_engine_id: str,
+                          path: str) -> NixlAgentMetadata:
+        """Decode the payload and run vLLM's compatibility and identity checks."""
+        try:
+            payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(payload_bytes)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise HandshakeError(
+                ErrorType.DECODE_ERROR,
+                f"Failed to decode NixlHandshakePayload from {path}: the peer runs an "
+                f"incompatible connector version ({exc})",
+            ) from exc
+        assert self.compat_hash is not None
+        if self.enforce_compat_hash and payload.compatibility_hash != self.compat_hash:
+            raise HandshakeError(
+                ErrorType.COMPAT_HASH_MISMATCH,
+                f"NIXL compatibility hash mismatch with {path}: local {self.compat_hash}, "
+                f"remote {payload.compatibility_hash}. Prefill and decode must run the same "
+                "vLLM version, model, dtype, KV layout, attention backend and transfer mode "
+                "(or set kv_connector_extra_config.enforce_handshake_compat=false).",
+            )
+        try:
+            meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise HandshakeError(ErrorType.DECODE_ERROR,
+                                 f"Failed to decode NixlAgentMetadata from {path}: {exc}") from exc
+        try:
+            self._validate_remote_parallel_config(meta)
+        except (ValueError, NotImplementedError, AssertionError, RuntimeError) as exc:
+            raise HandshakeError(ErrorType.CONFIG_MISMATCH, str(exc)) from exc
+        if meta.engine_id != expected_engine_id:
+            raise HandshakeError(
+                ErrorType.ENGINE_ID_MISMATCH,
+                f"Remote NIXL agent engine id mismatch at {path}: expected "
+                f"{expected_engine_id}, received {meta.engine_id}",
+            )
+        return meta
+
+    def _count_saving(self, record: HandshakeRecord, meta: NixlAgentMetadata) -> None:
+        try:
+            saving = full_handshake_saving(
+                meta, local_block_size=self.block_size, local_num_descs=self.num_descs,
+                registered_block_sizes=set(self.src_xfer_handles_by_block_size),
+                local_regions=len(self.block_len_per_layer) if self.pp_size > 1 else None,
+                local_region_offset=self._remote_region_offset,
+            )
+        except Exception:
+            logger.debug("could not size the skipped descriptor work", exc_info=True)
+            return
+        record.saved_registrations += saving.registrations
+        record.saved_descriptors += saving.descriptors
+
+    # ------------------------------------------------- phase hooks inside vLLM
+    @staticmethod
+    def _enter_phase(phase: Phase) -> None:
+        record = ActiveRecord.get()
+        if record is not None:
+            record.enter(phase)
+
+    def add_remote_agent(self, nixl_agent_meta: NixlAgentMetadata, *args: Any, **kwargs: Any) -> str:
+        self._enter_phase(Phase.TRANSFER_PLAN)
+        return super().add_remote_agent(nixl_agent_meta, *args, **kwargs)
+
+    def _validate_remote_agent_handshake(self, *args: Any, **kwargs: Any) -> Any:
+        self._enter_phase(Phase.TRANSFER_PLAN)
+        return super()._validate_remote_agent_handshake(*args, **kwargs)
+
+    def register_local_xfer_handler(self, *args: Any, **kwargs: Any) -> Any:
+        self._enter_phase(Phase.DESCRIPTOR_REGISTRATION)
+        return super().register_local_xfer_handler(*args, **kwargs)
+
+    def _build_local_splits_from_plan(self, *args: Any, **kwargs: Any) -> Any:
+        self._enter_phase(Phase.DESCRIPTOR_REGISTRATION)
+        return super()._build_local_splits_from_plan(*args, **kwargs)
+
+    def _build_fa_remote(self, *args: Any, **kwargs: Any) -> Any:
+        self._enter_phase(Phase.DESCRIPTOR_REGISTRATION)
+        return super()._build_fa_remote(*args, **kwargs)
+
+    def _build_mamba_remote(self, *args: Any, **kwargs: Any) -> Any:
+        self._enter_phase(Phase.DESCRIPTOR_REGISTRATION)
+        return super()._build_mamba_remote(*args, **kwargs)
+
+    def _cleanup_remote_engine(self, engine_id: str, *args: Any, **kwargs: Any) -> None:
+        super()._cleanup_remote_engine(engine_id, *args, **kwargs)
+        with self._handshake_lock:
+            self._notif_only_engines.discard(engine_id)
+

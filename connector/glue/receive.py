@@ -1,0 +1,95 @@
+"""D-side flow: the registration handed to the worker, PUSH_REG to P, heartbeats.
+
+Wrappers at the boundary of vLLM's push worker: they open the request's receive and
+register spans, carry the W3C trace context in the PUSH_REG payload, tag handshakes
+a heartbeat or a registration starts, and count PUSH_REG notifications.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from opentelemetry.trace import SpanKind
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+from connector.telemetry.tracing import SpanEmitter, activated, inject_context
+from connector.vocabulary import (
+    PUSH_REG_TRACE_KEY,
+    SPAN_PUSH_RECEIVE,
+    SPAN_PUSH_REGISTER,
+    Attr,
+    Trigger,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ReceiveFlow:
+    """Mixin for `NixlPushConnectorWorker`: the decode side of a push."""
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        if self._spans.enabled and metadata.push_registrations:
+            for req_id, reg in metadata.push_registrations.items():
+                self._receive_spans.put(req_id, self._spans.start(
+                    SPAN_PUSH_RECEIVE, parent=None, kind=SpanKind.CONSUMER,
+                    attributes={Attr.REQUEST_ID: req_id,
+                                Attr.LOCAL_ENGINE_ID: self.engine_id,
+                                Attr.REMOTE_ENGINE_ID: str(reg.get("remote_engine_id", "")),
+                                Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
+        super().start_load_kv(metadata)
+
+    def _send_heartbeats(self, metadata: NixlConnectorMetadata) -> None:
+        with self._triggered_by(Trigger.HEARTBEAT):
+            super()._send_heartbeats(metadata)
+
+    def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
+        span = None
+        if self._spans.enabled:
+            span = self._register_spans.get(req_id)
+            if span is None:
+                span = self._spans.start(
+                    SPAN_PUSH_REGISTER, parent=self._receive_spans.get(req_id),
+                    kind=SpanKind.PRODUCER,
+                    attributes={Attr.REQUEST_ID: req_id,
+                                Attr.REMOTE_ENGINE_ID: str(reg_data.get("remote_engine_id", "")),
+                                Attr.SERVER_ADDRESS: str(reg_data.get("remote_host", "")),
+                                Attr.SERVER_PORT: int(reg_data.get("remote_port", 0) or 0)})
+                self._register_spans.put(req_id, span)
+            if PUSH_REG_TRACE_KEY not in reg_data:
+                carrier = inject_context(span)
+                if carrier:
+                    reg_data = {**reg_data, PUSH_REG_TRACE_KEY: carrier}
+        with activated(span), self._triggered_by(Trigger.PUSH_REG):
+            super()._send_registration_to_p(req_id, reg_data)
+
+    def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
+        with self._handshake_lock:
+            num_agents = len(self._remote_agents.get(reg_data.get("remote_engine_id")) or {})
+        self._trigger_local.reg_failures = 0
+        super()._do_send_reg_notif(req_id, reg_data)
+        failed = self._trigger_local.reg_failures if num_agents else 1
+        try:
+            for _ in range(num_agents - failed if num_agents else 0):
+                self.xfer_stats.record_push_reg_notif(sent=True)
+            if not num_agents:
+                self.xfer_stats.record_push_reg_notif(sent=False)
+            span = self._register_spans.pop(req_id)
+            if failed >= max(num_agents, 1):
+                SpanEmitter.end(span, error_type="push_reg_notif_failed",
+                                message=f"PUSH_REG reached none of {num_agents} agents")
+            else:
+                SpanEmitter.end(span)
+        except Exception:
+            logger.debug("PUSH_REG telemetry dropped", exc_info=True)
+
+
+
+def count_blocks(block_ids: Any) -> int:
+    """Blocks in a flat or per-group block id list (for a span attribute)."""
+    if not block_ids:
+        return 0
+    first = block_ids[0]
+    if isinstance(first, list | tuple):
+        return sum(len(group) for group in block_ids)
+    return len(block_ids)
