@@ -11,8 +11,8 @@ from concurrent.futures import Future
 
 from connector.glue.compat import RemoteAgentTable
 from connector.glue.retry import RetryPolicy
-from connector.telemetry.in_flight import InFlight
 from connector.glue.worker import ObservedPushWorker
+from connector.telemetry.in_flight import InFlight
 from connector.telemetry.tracing import SpanEmitter
 from connector.vocabulary import Direction, Trigger
 
