@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 from vllm.platforms import current_platform
 
 from connector.glue.compat import RemoteAgentTable, accepted, bind_handshake_tail
+from connector.glue.guard import check_worker
 from connector.glue.nixl_probe import NixlAgentProbe
 from connector.glue.side_channel import SideChannelClient
 from connector.telemetry.record import (
@@ -54,7 +55,7 @@ from connector.telemetry.record import (
     HandshakeRecord,
     PhaseSegment,
 )
-from connector.telemetry.savings import full_handshake_saving
+from connector.telemetry.savings import LocalLayout, full_handshake_saving
 from connector.telemetry.stats import ObservedNixlStats
 from connector.telemetry.tracing import (
     SpanEmitter,
@@ -124,6 +125,7 @@ class ObservedPushWorker(NixlPushConnectorWorker):
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        check_worker(self)  # the vLLM surface we rely on (connector/glue/guard.py)
         extra = self.kv_transfer_config.get_from_extra_config
         self._handshake_timeout_ms = int(extra("handshake_timeout_ms", DEFAULT_HANDSHAKE_TIMEOUT_MS))
         self._kv_role = self.kv_transfer_config.kv_role
@@ -349,11 +351,8 @@ class ObservedPushWorker(NixlPushConnectorWorker):
     def _count_saving(self, record: HandshakeRecord, meta: NixlAgentMetadata) -> None:
         try:
             saving = full_handshake_saving(
-                meta, local_block_size=self.block_size, local_num_descs=self.num_descs,
-                registered_block_sizes=set(self.src_xfer_handles_by_block_size),
-                local_regions=len(self.block_len_per_layer) if self.pp_size > 1 else None,
-                local_region_offset=self._remote_region_offset,
-            )
+                meta, LocalLayout.of_worker(self),
+                registered_block_sizes=set(self.src_xfer_handles_by_block_size))
         except Exception:
             logger.debug("could not size the skipped descriptor work", exc_info=True)
             return
