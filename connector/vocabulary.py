@@ -164,6 +164,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
 class MetricKind(_Vocab):
     COUNTER = "counter"
     HISTOGRAM = "histogram"
+    GAUGE = "gauge"
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,8 @@ class MetricSpec:
         """Sample names Prometheus stores for this metric."""
         if self.kind is MetricKind.COUNTER:
             return (self.name + "_total",)
+        if self.kind is MetricKind.GAUGE:
+            return (self.name,)
         return (self.name + "_bucket", self.name + "_sum", self.name + "_count")
 
 
@@ -271,6 +274,17 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     DESCRIPTORS_SAVED,
     PUSH_REG_NOTIFS,
     PUSHES,
+)
+
+# ------------------------------------------------ start-up guard (connector/glue/guard.py)
+# Not in ALL_METRICS: one gauge per engine, no labels beyond vLLM's model_name/engine.
+OBSERVED_DEGRADED = MetricSpec(
+    "vllm:nixl_observed_degraded",
+    MetricKind.GAUGE,
+    (),
+    "1 when nixl-push-observed runs on a vLLM outside its tested range or missing a piece "
+    "it relies on (started with NIXL_PUSH_OBSERVED_ALLOW_UNTESTED=1): its handshake "
+    "telemetry may be incomplete or wrong. 0 otherwise.",
 )
 
 # `outcome` is a different closed set per metric; LABEL_VALUES holds the union.

@@ -13,7 +13,7 @@ import pytest
 
 from harness.serve import VllmServer, disaggregated_completion
 
-pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.real, pytest.mark.serve, pytest.mark.timeout(600)]
 
 PROMPT = list(range(1, 41))  # 40 tokens -> 2 blocks of 32
 

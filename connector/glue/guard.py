@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,14 +126,9 @@ def installed_version() -> str:
 
 
 def version_tested(version: str) -> bool:
-    """True when `version` (e.g. '0.33.0', '0.32.0+cpu') is a minor CI runs."""
-    try:
-        from packaging.version import Version
-
-        release = Version(version).release
-    except Exception:
-        return False
-    return tuple(release[:2]) in TESTED_MINORS
+    """True when `version` (e.g. '0.33.0', '0.32.0+cpu', '0.33.1.dev3') is a minor CI runs."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return bool(match) and (int(match[1]), int(match[2])) in TESTED_MINORS
 
 
 def _owners() -> dict[str, Any]:
