@@ -58,6 +58,12 @@ def test_missing_constructor_attribute_and_metadata_field_fail(monkeypatch):
         guard.check_worker(worker)
 
 
+def test_attributes_vllm_sets_later_are_checked_in_its_source():
+    assert guard._later_attribute_problems(NixlPushConnectorWorker) == []
+    assert guard._later_attribute_problems(NixlPushConnectorWorker, ["num_descs", "num_desks"]) == [
+        "NixlPushConnectorWorker no longer sets self.num_desks"]
+
+
 def test_untested_version_fails_even_when_everything_is_there():
     with pytest.raises(guard.UnsupportedVllmError, match=r"vLLM 0\.34\.0 is outside the tested range"):
         guard.check_worker(complete_worker(), version="0.34.0")
@@ -90,3 +96,13 @@ def test_switch_runs_anyway_and_metrics_say_degraded(monkeypatch):
     assert not verdict.ok and any("_send_heartbeats" in p for p in verdict.problems)
     degraded = Frontend(NixlPushConnector, kv)
     assert degraded.sample("vllm:nixl_observed_degraded") == 1.0
+
+
+def test_an_import_that_vllm_broke_names_the_version_and_range(monkeypatch):
+    import sys
+
+    import connector
+
+    monkeypatch.setitem(sys.modules, "connector.glue.connector", None)  # import now fails
+    with pytest.raises(ImportError, match=rf"Installed vLLM: {VERSION}; tested range {guard.TESTED_RANGE}"):
+        connector.NixlPushConnector  # noqa: B018 - the attribute access is the import

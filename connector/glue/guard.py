@@ -104,8 +104,13 @@ WORKER_ATTRIBUTES: tuple[str, ...] = (
     "_handshake_futures", "_handshake_initiation_executor", "_engine_clock_offset",
     "_engine_last_active", "xfer_stats", "tp_rank", "engine_id", "transfer_topo",
     "use_host_buffer", "device_id", "compat_hash", "enforce_compat_hash", "_is_csa_linear",
-    "block_size", "num_descs", "src_xfer_handles_by_block_size", "block_len_per_layer",
+    "block_size", "src_xfer_handles_by_block_size", "block_len_per_layer",
     "pp_size", "_remote_region_offset",
+)
+# Attributes vLLM's worker sets later (when KV caches are registered) that the fork reads:
+# checked in the source, as assignments `self.<name> = ...` somewhere in the worker classes.
+LATER_ATTRIBUTES: tuple[str, ...] = (
+    "num_descs", "_transfer_layer_region_indices", "_transfer_layer_names", "region_names",
 )
 
 # Fields of the side-channel messages we decode ourselves.
@@ -206,7 +211,28 @@ def surface_problems(calls: Iterable[Call] = WORKER_CALLS,
             problems.append(problem)
     problems.extend(_metadata_problems())
     problems.extend(_seam_problems())
+    problems.extend(_later_attribute_problems(owners["worker"]))
     return problems
+
+
+def _assigned_attributes(cls: type) -> set[str]:
+    """Names vLLM's worker modules assign as `self.<name> = ...` (a cheap text scan)."""
+    names: set[str] = set()
+    for path in {inspect.getsourcefile(k) for k in cls.__mro__ if k is not object} - {None}:
+        try:
+            with open(path, encoding="utf-8") as f:
+                names.update(_SELF_ASSIGNMENT.findall(f.read()))
+        except OSError:
+            continue
+    return names
+
+
+_SELF_ASSIGNMENT = re.compile(r"\bself\.(\w+)\s*(?::[^=\n]*)?=(?!=)")
+
+
+def _later_attribute_problems(worker_cls: type, names: Iterable[str] = LATER_ATTRIBUTES) -> list[str]:
+    assigned = _assigned_attributes(worker_cls)
+    return [f"{worker_cls.__name__} no longer sets self.{name}" for name in names if name not in assigned]
 
 
 def _metadata_problems() -> list[str]:
@@ -258,6 +284,11 @@ class Verdict:
         lines.append(f"Install a vLLM in {TESTED_RANGE}, or set {ALLOW_UNTESTED_ENV}=1 to run anyway "
                      "(telemetry is then marked degraded: vllm:nixl_observed_degraded 1).")
         return "\n".join(lines)
+
+
+def import_failure_message(exc: ImportError) -> str:
+    return (f"nixl-push-observed could not import a vLLM piece it relies on ({exc}). Installed vLLM: "
+            f"{installed_version()}; tested range {TESTED_RANGE}. Install a vLLM in that range.")
 
 
 def allow_untested() -> bool:
