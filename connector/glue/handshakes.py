@@ -46,7 +46,7 @@ from connector.telemetry.record import (
     HandshakeRecord,
     PhaseSegment,
 )
-from connector.telemetry.savings import full_handshake_saving
+from connector.telemetry.savings import LocalLayout, full_handshake_saving
 from connector.vocabulary import (
     Attr,
     Direction,
@@ -350,11 +350,8 @@ class HandshakeFlow:
     def _count_saving(self, record: HandshakeRecord, meta: NixlAgentMetadata) -> None:
         try:
             saving = full_handshake_saving(
-                meta, local_block_size=self.block_size, local_num_descs=self.num_descs,
-                registered_block_sizes=set(self.src_xfer_handles_by_block_size),
-                local_regions=len(self.block_len_per_layer) if self.pp_size > 1 else None,
-                local_region_offset=self._remote_region_offset,
-            )
+                meta, LocalLayout.of_worker(self),
+                registered_block_sizes=set(self.src_xfer_handles_by_block_size))
         except Exception as exc:
             errors.note(TelemetryError.SAVINGS, exc)
             return

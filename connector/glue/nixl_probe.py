@@ -21,15 +21,31 @@ logger = logging.getLogger(__name__)
 LOCAL_AGENT_NAME = "NIXL_INIT_AGENT"
 
 
+# NIXL >= 1.5 also takes an Nx5 array of strided descriptors:
+# (address, length, device id, stride, count), one row covering `count` blocks.
+STRIDED_COLUMNS = 5
+STRIDED_COUNT_COLUMN = 4
+
+
 def count_descriptors(descs: Any) -> int:
-    """Number of descriptors in a NIXL descriptor list (0 if unknown)."""
+    """Number of descriptors in what was handed to NIXL's `prep_xfer_dlist` (0 if unknown).
+
+    vLLM 0.32 passes a descriptor list (`descCount()`); vLLM 0.33 passes Nx5 strided
+    arrays, where one row stands for `count` descriptors: counting rows there would
+    count regions, not descriptors, and break the registered-vs-saved comparison.
+    """
     try:
-        return int(descs.descCount())
+        counter = getattr(descs, "descCount", None)
+        if callable(counter):
+            return int(counter())
+        shape = getattr(descs, "shape", None)
+        if shape is not None and len(shape) == 2:
+            if shape[1] == STRIDED_COLUMNS:
+                return int(descs[:, STRIDED_COUNT_COLUMN].sum())
+            return int(shape[0])  # Nx3: one descriptor per row
+        return len(descs)
     except Exception:
-        try:
-            return len(descs)
-        except Exception:
-            return 0
+        return 0
 
 
 class NixlAgentProbe:

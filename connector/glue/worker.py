@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 
 from connector.glue.compat import RemoteAgentTable
+from connector.glue.guard import check_worker
 from connector.glue.handshakes import DEFAULT_HANDSHAKE_TIMEOUT_MS, HandshakeFlow
 from connector.glue.nixl_probe import NixlAgentProbe
 from connector.glue.push import PushFlow
@@ -56,6 +57,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnector
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        check_worker(self)  # the vLLM surface we rely on (connector/glue/guard.py)
         extra = self.kv_transfer_config.get_from_extra_config
         self._handshake_timeout_ms = int(extra("handshake_timeout_ms", DEFAULT_HANDSHAKE_TIMEOUT_MS))
         self._kv_role = self.kv_transfer_config.kv_role

@@ -67,6 +67,21 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._child(V.PUSH_REG_REJECTED, idx, reason.value)
             for lost in V.TelemetryError:
                 self._child(V.TELEMETRY_ERRORS, idx, lost.value)
+        self._init_degraded_gauge(list(labelnames))
+
+    # -- start-up guard verdict (connector/glue/guard.py) ----------------------------
+    def _init_degraded_gauge(self, labelnames: list[str]) -> None:
+        """`vllm:nixl_observed_degraded` per engine: 1 when running on an untested vLLM."""
+        try:
+            from connector.glue.guard import degraded
+
+            value = 1.0 if degraded() else 0.0
+            gauge = self._gauge_cls(name=V.OBSERVED_DEGRADED.name, documentation=V.OBSERVED_DEGRADED.help,
+                                    labelnames=labelnames, multiprocess_mode="mostrecent")
+            for base in self.per_engine_labelvalues.values():
+                gauge.labels(*base).set(value)
+        except Exception:
+            logger.warning("could not export %s", V.OBSERVED_DEGRADED.name, exc_info=True)
 
     def _make(self, spec: MetricSpec, base_labels: list[str]) -> Any:
         labels = base_labels + list(spec.labels)

@@ -8,6 +8,7 @@ it once the handshake is over, so the data path never waits on telemetry.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,17 @@ class HandshakeError(RuntimeError):
         self.error_type = error_type
 
 
+# Phrases of vLLM's own decode failures (payload or metadata could not be decoded).
+# A bare "decode" is not enough: vLLM's configuration errors name the decode engine
+# ("... on prefill and decode", "... between prefill and decode").
+_DECODE_FAILURE = re.compile(r"failed to decode|could not decode|unable to decode|decodeerror|"
+                             r"invalid (?:msgpack|payload)")
+# Phrases of vLLM's P/D configuration checks raised as RuntimeError (0.33 adds several:
+# packed KV rows, head-sharded drafts, NVFP4 re-sharding).
+_CONFIG_MISMATCH = re.compile(r"differ between|must match|not supported|does not support|"
+                              r"requires|use matching|use the same|needs the same")
+
+
 def classify_error(exc: BaseException) -> ErrorType:
     """Map an exception from a handshake onto the bounded `ErrorType` set."""
     if isinstance(exc, HandshakeError):
@@ -59,11 +71,16 @@ def classify_error(exc: BaseException) -> ErrorType:
         return ErrorType.COMPAT_HASH_MISMATCH
     if "engine id mismatch" in text:
         return ErrorType.ENGINE_ID_MISMATCH
-    if "decode" in text:
+    if isinstance(exc, UnicodeDecodeError) or "decodeerror" in type(exc).__name__.lower() \
+            or _DECODE_FAILURE.search(text):
         return ErrorType.DECODE_ERROR
     if isinstance(exc, NotImplementedError | ValueError | AssertionError):
         return ErrorType.CONFIG_MISMATCH
-    if "nixl" in type(exc).__module__.lower() or "nixl" in text:
+    if "nixl" in type(exc).__module__.lower():  # raised by NIXL itself
+        return ErrorType.NIXL_ERROR
+    if isinstance(exc, RuntimeError) and _CONFIG_MISMATCH.search(text):
+        return ErrorType.CONFIG_MISMATCH
+    if "nixl" in text:
         return ErrorType.NIXL_ERROR
     return ErrorType.OTHER
 

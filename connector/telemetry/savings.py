@@ -2,8 +2,16 @@
 
 Used to report what a notification-only handshake saved. It mirrors the counting
 (not the building) of vLLM's full `add_remote_agent`: one remote descriptor list per
-remote rank holding one descriptor per block of every remote region, plus, the first
-time a smaller remote block size is seen, one local list at that block size.
+remote rank holding one descriptor per block of every remote region *as the full path
+would lay the regions out*, plus, the first time a smaller remote block size is seen,
+one local list at that block size.
+
+The full path first maps the peer's regions onto this worker's (vLLM 0.32 and 0.33):
+- layer-name routing (HMA/packed layouts under PP): one remote region per local
+  transfer layer, picked by layer name;
+- a packed remote row (one region holding every layer's page) read by a worker with
+  one region per layer (vLLM 0.33): the row becomes one region per local region;
+- a PP layer slice of a PP=1 peer: only this stage's window of regions.
 Not counted: the TP-split local lists a D with fewer TP ranks than P would prepare
 once, and Mamba/SSM descriptors (see README).
 """
@@ -20,29 +28,94 @@ class Saving:
     descriptors: int
 
 
+@dataclass(frozen=True)
+class LocalLayout:
+    """What the full path needs to know about this worker to lay out a peer's regions."""
+
+    block_size: int
+    num_descs: int
+    # Local transfer layer names when vLLM routes remote regions by layer name.
+    routed_layer_names: tuple[str, ...] = ()
+    # Local region names, and whether the installed vLLM splits a peer's packed row
+    # onto them (0.33+) while this worker itself does not pack rows.
+    region_names: tuple[str, ...] = ()
+    splits_packed_rows: bool = False
+    # (first region, number of regions) of this PP stage, when PP > 1.
+    pp_window: tuple[int, int] | None = None
+
+    @classmethod
+    def of_worker(cls, worker: Any) -> LocalLayout:
+        """Read the layout from a live vLLM NIXL worker (attributes differ by release)."""
+        routed = getattr(worker, "_transfer_layer_region_indices", None) or ()
+        pp_size = int(getattr(worker, "pp_size", 1) or 1)
+        return cls(
+            block_size=int(worker.block_size),
+            num_descs=int(worker.num_descs),
+            routed_layer_names=tuple(getattr(worker, "_transfer_layer_names", ()) or ()) if routed else (),
+            region_names=tuple(getattr(worker, "region_names", ()) or ()),
+            splits_packed_rows=(hasattr(type(worker), "_split_remote_packed_rows")
+                                and not getattr(worker, "_packed_member_layouts", None)),
+            pp_window=((int(worker._remote_region_offset), len(worker.block_len_per_layer))
+                       if pp_size > 1 else None),
+        )
+
+
+def remote_region_blocks(meta: Any, layout: LocalLayout | None = None) -> list[int]:
+    """Blocks per remote region after the full path's region mapping (see module doc)."""
+    n_regions = len(meta.kv_caches_base_addr)
+    per_region = list(getattr(meta, "region_num_blocks", None) or [meta.num_blocks] * n_regions)
+    if layout is None:
+        return per_region
+    if layout.routed_layer_names:
+        by_layer = {name: i for i, names in enumerate(meta.region_members or ())
+                    for name in names}
+        return [per_region[by_layer[name]] for name in layout.routed_layer_names]
+    packed = getattr(meta, "packed_member_layouts", None) or {}
+    if packed and layout.splits_packed_rows:
+        index = {name: i for i, name in enumerate(meta.region_names or ())}
+        (row,) = [i for name, i in index.items() if name in packed]
+        return [per_region[row] if name in packed else per_region[index[name]]
+                for name in layout.region_names]
+    if layout.pp_window is not None:
+        offset, count = layout.pp_window
+        if n_regions > count:
+            return per_region[offset:offset + count]
+    return per_region
+
+
 def remote_descriptor_count(meta: Any, local_regions: int | None = None,
-                            local_region_offset: int = 0) -> int:
+                            local_region_offset: int = 0, *,
+                            layout: LocalLayout | None = None) -> int:
     """Descriptors in the remote list a full handshake prepares for one remote rank.
 
-    `meta` is a decoded `NixlAgentMetadata`. With `local_regions` set (a PP layer
-    slice), only that window of the peer's regions is registered.
+    `meta` is a decoded `NixlAgentMetadata`. `layout` describes this worker; the older
+    `local_regions`/`local_region_offset` pair (a PP layer slice) is still accepted.
     """
-    n_regions = len(meta.kv_caches_base_addr)
-    per_region = list(meta.region_num_blocks or [meta.num_blocks] * n_regions)
-    if local_regions is not None and n_regions > local_regions:
-        per_region = per_region[local_region_offset:local_region_offset + local_regions]
-    return int(sum(per_region))
+    if layout is None and local_regions is not None:
+        layout = LocalLayout(block_size=0, num_descs=0,
+                             pp_window=(local_region_offset, local_regions))
+    return int(sum(remote_region_blocks(meta, layout)))
 
 
-def full_handshake_saving(meta: Any, *, local_block_size: int, local_num_descs: int,
-                          registered_block_sizes: set[int], local_regions: int | None = None,
+def full_handshake_saving(meta: Any, layout: LocalLayout | None = None, *,
+                          registered_block_sizes: set[int],
+                          local_block_size: int | None = None, local_num_descs: int | None = None,
+                          local_regions: int | None = None,
                           local_region_offset: int = 0) -> Saving:
-    """Registrations/descriptors a full handshake to this remote rank would add."""
+    """Registrations/descriptors a full handshake to this remote rank would add.
+
+    Pass `layout` (`LocalLayout.of_worker(worker)`); the keyword form with
+    `local_block_size`/`local_num_descs`/`local_regions` covers PP slicing only.
+    """
+    if layout is None:
+        layout = LocalLayout(
+            block_size=int(local_block_size or 0), num_descs=int(local_num_descs or 0),
+            pp_window=(local_region_offset, local_regions) if local_regions is not None else None)
     regs = 1
-    descs = remote_descriptor_count(meta, local_regions, local_region_offset)
+    descs = remote_descriptor_count(meta, layout=layout)
     remote_block_size = int(meta.block_size)
-    if remote_block_size < local_block_size and remote_block_size not in registered_block_sizes:
-        ratio = local_block_size // remote_block_size
+    if remote_block_size < layout.block_size and remote_block_size not in registered_block_sizes:
+        ratio = layout.block_size // remote_block_size
         regs += 1
-        descs += local_num_descs * ratio
+        descs += layout.num_descs * ratio
     return Saving(regs, descs)

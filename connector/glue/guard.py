@@ -1,0 +1,322 @@
+"""Start-up guard: is the installed vLLM one this fork can work with?
+
+The fork subclasses vLLM's NIXL push worker, overrides about twenty of its methods
+and calls about as many of its methods and attributes. A vLLM release that renames
+or reshapes one of them would not fail loudly: an override that is never called
+just stops measuring, and a changed signature fails on the first handshake. So the
+worker checks the whole surface once when it starts:
+
+- every vLLM method we override or call exists and accepts what we pass;
+- every attribute we read exists once vLLM's constructor has run;
+- the metadata fields we decode and the seam the connector uses exist;
+- the version is inside the range CI tests (`TESTED_MINORS`).
+
+Anything wrong fails at once, naming the missing piece, the installed version and
+the tested range. `NIXL_PUSH_OBSERVED_ALLOW_UNTESTED=1` runs anyway (logged), and
+the API server then reports `vllm:nixl_observed_degraded 1` on /metrics.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# vLLM minor releases CI runs the suite on (keep in step with pyproject's `cuda` extra).
+TESTED_MINORS: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
+TESTED_RANGE = ">=0.32,<0.34"
+ALLOW_UNTESTED_ENV = "NIXL_PUSH_OBSERVED_ALLOW_UNTESTED"
+# The module-level name vLLM's NixlPushConnector.__init__ builds its worker by (our seam).
+WORKER_SEAM = "NixlPushConnectorWorker"
+
+
+class UnsupportedVllmError(RuntimeError):
+    """The installed vLLM lacks something the fork relies on, or is untested."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One vLLM method we override or call, and how we call it."""
+
+    owner: str  # key into the owner table (see `_owners`)
+    name: str
+    # Positional arguments after self; None: we pass through whatever vLLM gives
+    # (an observing override), so only existence matters.
+    args: tuple[Any, ...] | None = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    # Keywords we pass only when the signature takes them (see compat.accepted).
+    offered: tuple[str, ...] = ()
+    # Keyword names the method must accept (we pass them when it does; without
+    # them the result would be wrong, not just unmeasured).
+    needs: tuple[str, ...] = ()
+    # Parameter (after self) that must sit at a fixed position: (name, index).
+    position: tuple[str, int] | None = None
+
+
+_ANY = object()  # a placeholder argument value; only the binding is checked
+_REMOTE_SIZES = ("remote_tp_rank", "remote_tp_size", "remote_dcp_size")
+
+# Methods of vLLM's push worker (or its base) that connector/glue/worker.py overrides
+# or calls, with the arguments it passes.
+WORKER_CALLS: tuple[Call, ...] = (
+    Call("worker", "_ensure_handshake", (_ANY, _ANY, _ANY, _ANY),
+         needs=("pp_size", "notif_agents_only")),
+    Call("worker", "_evict_stale_engines"),
+    Call("worker", "add_remote_agent", (_ANY,), offered=_REMOTE_SIZES,
+         needs=("remote_tp_rank", "remote_tp_size")),
+    Call("worker", "_add_notif_only_remote_agent", (_ANY,), offered=_REMOTE_SIZES),
+    Call("worker", "_validate_remote_parallel_config", (_ANY,)),
+    Call("worker", "_validate_csa_linear_tp_layout", (_ANY,)),
+    Call("worker", "_validate_remote_agent_handshake", None),
+    Call("worker", "register_local_xfer_handler", None),
+    Call("worker", "_build_local_splits_from_plan", None),
+    Call("worker", "_build_fa_remote", None),
+    Call("worker", "_build_mamba_remote", None),
+    Call("worker", "_cleanup_remote_engine", (_ANY,)),
+    Call("worker", "start_load_kv", (_ANY,)),
+    Call("worker", "_send_heartbeats", (_ANY,)),
+    Call("worker", "_send_registration_to_p", (_ANY, _ANY)),
+    Call("worker", "_do_send_reg_notif", (_ANY, _ANY)),
+    Call("worker", "_do_start_push_kv", (_ANY, _ANY, _ANY)),
+    Call("worker", "_xfer_blocks_for_req", (_ANY, _ANY)),
+    Call("worker", "_xfer_blocks", None, position=("request_id", 2)),
+    Call("worker", "_log_failure", (_ANY, _ANY, _ANY, _ANY, _ANY), {"remote_engine_id": _ANY}),
+    Call("worker", "get_transfer_results"),
+    Call("topology", "handshake_target_ranks", (_ANY, _ANY)),
+    Call("stats", "__post_init__"),
+    Call("stats", "reset"),
+    Call("stats", "is_empty"),
+    Call("stats", "reduce"),
+    Call("stats", "aggregate", (_ANY,)),
+    Call("stats", "record_failed_handshake"),
+    Call("prom", "observe", (_ANY, _ANY)),
+)
+
+# Attributes vLLM's worker constructor sets that the fork reads or replaces.
+WORKER_ATTRIBUTES: tuple[str, ...] = (
+    "kv_transfer_config", "nixl_wrapper", "_remote_agents", "_handshake_lock",
+    "_handshake_futures", "_handshake_initiation_executor", "_engine_clock_offset",
+    "_engine_last_active", "xfer_stats", "tp_rank", "engine_id", "transfer_topo",
+    "use_host_buffer", "device_id", "compat_hash", "enforce_compat_hash", "_is_csa_linear",
+    "block_size", "src_xfer_handles_by_block_size", "block_len_per_layer",
+    "pp_size", "_remote_region_offset",
+)
+# Attributes vLLM's worker sets later (when KV caches are registered) that the fork reads:
+# checked in the source, as assignments `self.<name> = ...` somewhere in the worker classes.
+LATER_ATTRIBUTES: tuple[str, ...] = (
+    "num_descs", "_transfer_layer_region_indices", "_transfer_layer_names", "region_names",
+)
+
+# Fields of the side-channel messages we decode ourselves.
+METADATA_FIELDS: dict[str, tuple[str, ...]] = {
+    "NixlHandshakePayload": ("compatibility_hash", "agent_metadata_bytes"),
+    "NixlAgentMetadata": ("engine_id", "agent_metadata", "kv_caches_base_addr", "num_blocks",
+                          "block_size", "region_num_blocks", "dcp_size"),
+}
+
+
+def installed_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception:  # pragma: no cover - vLLM import itself broken
+        return "unknown"
+
+
+def version_tested(version: str) -> bool:
+    """True when `version` (e.g. '0.33.0', '0.32.0+cpu', '0.33.1.dev3') is a minor CI runs."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return bool(match) and (int(match[1]), int(match[2])) in TESTED_MINORS
+
+
+def _owners() -> dict[str, Any]:
+    from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+        NixlPushConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
+        NixlKVConnectorStats,
+        NixlPromMetrics,
+    )
+
+    return {"worker": NixlPushConnectorWorker, "topology": TransferTopology,
+            "stats": NixlKVConnectorStats, "prom": NixlPromMetrics}
+
+
+def _stock_method(cls: type, name: str) -> Any:
+    """`cls.name` as vLLM defines it (raw, so static/class methods are recognisable)."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
+
+
+def check_call(call: Call, owner: type) -> str | None:
+    """None when the call is fine, else what is wrong with it."""
+    where = f"{owner.__name__}.{call.name}"
+    func = _stock_method(owner, call.name)
+    implicit: tuple[Any, ...] = (_ANY,)  # self or cls
+    if isinstance(func, staticmethod | classmethod):
+        implicit = () if isinstance(func, staticmethod) else implicit
+        func = func.__func__
+    if func is None or not callable(func):
+        return f"{where} is missing"
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        return None  # builtins without a signature: existence is all we can check
+    params = list(sig.parameters.values())
+    has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    names = [p.name for p in params]
+    for needed in call.needs:
+        if needed not in names and not has_var_kw:
+            return f"{where}{sig} no longer takes {needed!r}"
+    if call.position is not None:
+        name, index = call.position
+        if names[len(implicit):][index:index + 1] != [name]:
+            return f"{where}{sig}: expected {name!r} as argument {index + 1}"
+    if call.args is None:
+        return None
+    offered = {k: _ANY for k in call.offered if k in names or has_var_kw}
+    try:
+        sig.bind(*implicit, *call.args, **call.kwargs, **offered)
+    except TypeError as exc:
+        shown = ", ".join(["self", *["_"] * len(call.args), *call.kwargs, *offered])
+        return f"{where}{sig} does not accept ({shown}): {exc}"
+    return None
+
+
+def surface_problems(calls: Iterable[Call] = WORKER_CALLS,
+                     owners: dict[str, Any] | None = None) -> list[str]:
+    """Problems with the vLLM classes, methods and fields we rely on (class level)."""
+    problems: list[str] = []
+    try:
+        owners = owners or _owners()
+    except ImportError as exc:
+        return [f"cannot import a vLLM class the fork subclasses: {exc}"]
+    for call in calls:
+        owner = owners.get(call.owner)
+        if owner is None:
+            problems.append(f"{call.owner} class is missing")
+            continue
+        problem = check_call(call, owner)
+        if problem:
+            problems.append(problem)
+    problems.extend(_metadata_problems())
+    problems.extend(_seam_problems())
+    problems.extend(_later_attribute_problems(owners["worker"]))
+    return problems
+
+
+def _assigned_attributes(cls: type) -> set[str]:
+    """Names vLLM's worker modules assign as `self.<name> = ...` (a cheap text scan)."""
+    names: set[str] = set()
+    for path in {inspect.getsourcefile(k) for k in cls.__mro__ if k is not object} - {None}:
+        try:
+            with open(path, encoding="utf-8") as f:
+                names.update(_SELF_ASSIGNMENT.findall(f.read()))
+        except OSError:
+            continue
+    return names
+
+
+_SELF_ASSIGNMENT = re.compile(r"\bself\.(\w+)\s*(?::[^=\n]*)?=(?!=)")
+
+
+def _later_attribute_problems(worker_cls: type, names: Iterable[str] = LATER_ATTRIBUTES) -> list[str]:
+    assigned = _assigned_attributes(worker_cls)
+    return [f"{worker_cls.__name__} no longer sets self.{name}" for name in names if name not in assigned]
+
+
+def _metadata_problems() -> list[str]:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
+    except ImportError as exc:
+        return [f"cannot import vLLM's NIXL metadata module: {exc}"]
+    problems = [] if hasattr(metadata, "GET_META_MSG") else ["metadata.GET_META_MSG is missing"]
+    for struct, wanted in METADATA_FIELDS.items():
+        cls = getattr(metadata, struct, None)
+        fields = set(getattr(cls, "__dataclass_fields__", None) or getattr(cls, "__struct_fields__", ()))
+        problems.extend(f"{struct}.{name} is missing" for name in wanted if name not in fields)
+    return problems
+
+
+def _seam_problems() -> list[str]:
+    """The connector injects its worker through the name vLLM's constructor uses."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as stock
+
+    init = getattr(getattr(stock, "NixlPushConnector", None), "__init__", None)
+    code = getattr(init, "__code__", None)
+    if not hasattr(stock, WORKER_SEAM) or code is None or WORKER_SEAM not in code.co_names:
+        return [f"NixlPushConnector.__init__ no longer builds its worker by the name {WORKER_SEAM!r}"]
+    return []
+
+
+def attribute_problems(worker: Any, names: Iterable[str] = WORKER_ATTRIBUTES) -> list[str]:
+    """Attributes vLLM's constructor should have set on `worker` but did not."""
+    return [f"worker attribute {name!r} (set by vLLM's constructor) is missing"
+            for name in names if not hasattr(worker, name)]
+
+
+@dataclass
+class Verdict:
+    version: str
+    tested: bool
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return self.tested and not self.problems
+
+    def message(self) -> str:
+        head = (f"nixl-push-observed: vLLM {self.version} is outside the tested range "
+                f"{TESTED_RANGE}" if not self.tested else
+                f"nixl-push-observed: vLLM {self.version} (tested range {TESTED_RANGE})")
+        lines = [head + (":" if self.problems else " and was not tested with this connector.")]
+        lines += [f"  - {p}" for p in self.problems]
+        lines.append(f"Install a vLLM in {TESTED_RANGE}, or set {ALLOW_UNTESTED_ENV}=1 to run anyway "
+                     "(telemetry is then marked degraded: vllm:nixl_observed_degraded 1).")
+        return "\n".join(lines)
+
+
+def import_failure_message(exc: ImportError) -> str:
+    return (f"nixl-push-observed could not import a vLLM piece it relies on ({exc}). Installed vLLM: "
+            f"{installed_version()}; tested range {TESTED_RANGE}. Install a vLLM in that range.")
+
+
+def allow_untested() -> bool:
+    return os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def assess(version: str | None = None) -> Verdict:
+    """The class-level verdict (no worker instance needed: also used by the API server)."""
+    version = version or installed_version()
+    return Verdict(version, version_tested(version), surface_problems())
+
+
+def check_worker(worker: Any, *, version: str | None = None) -> Verdict:
+    """Run at worker start-up: raise `UnsupportedVllmError` unless all is well or allowed."""
+    verdict = assess(version)
+    verdict.problems.extend(attribute_problems(worker))
+    if verdict.ok:
+        return verdict
+    if not allow_untested():
+        raise UnsupportedVllmError(verdict.message())
+    logger.warning("%s\nRunning anyway because %s is set.", verdict.message(), ALLOW_UNTESTED_ENV)
+    return verdict
+
+
+def degraded() -> bool:
+    """Whether this process runs on a vLLM the guard does not vouch for (for /metrics)."""
+    try:
+        return not assess().ok
+    except Exception:
+        logger.debug("guard assessment failed", exc_info=True)
+        return True

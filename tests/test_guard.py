@@ -1,0 +1,108 @@
+"""The start-up guard: the installed vLLM passes; a missing or reshaped piece, or an
+untested version, fails at once with a message naming it (or runs degraded on request)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as stock_connector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+from connector.glue import guard
+from connector.glue.connector import NixlPushConnector
+from connector.glue.worker import ObservedPushWorker
+from harness.frontend import Frontend
+
+VERSION = guard.installed_version()
+
+
+def complete_worker() -> SimpleNamespace:
+    """An object with every attribute vLLM's constructor sets that we read."""
+    return SimpleNamespace(**dict.fromkeys(guard.WORKER_ATTRIBUTES, 0))
+
+
+def owner_of(cls: type, name: str) -> type:
+    return next(k for k in cls.__mro__ if name in vars(k))
+
+
+def test_installed_vllm_passes():
+    verdict = guard.check_worker(complete_worker())
+    assert verdict.ok and verdict.problems == [] and verdict.version == VERSION
+
+
+def test_missing_method_fails_naming_it_the_version_and_the_range(monkeypatch):
+    monkeypatch.delattr(owner_of(NixlPushConnectorWorker, "_do_send_reg_notif"), "_do_send_reg_notif")
+    with pytest.raises(guard.UnsupportedVllmError) as info:
+        guard.check_worker(complete_worker())
+    text = str(info.value)
+    assert "NixlPushConnectorWorker._do_send_reg_notif is missing" in text
+    assert f"vLLM {VERSION}" in text and guard.TESTED_RANGE in text
+    assert guard.ALLOW_UNTESTED_ENV in text
+
+
+def test_changed_signature_fails(monkeypatch):
+    monkeypatch.setattr(NixlPushConnectorWorker, "_do_start_push_kv", lambda self, request_id: None)
+    monkeypatch.setattr(NixlPushConnectorWorker, "add_remote_agent",
+                        lambda self, nixl_agent_meta, remote_tp_size=1: "agent")
+    problems = guard.assess().problems
+    assert any(p.startswith("NixlPushConnectorWorker._do_start_push_kv") and "does not accept" in p
+               for p in problems), problems
+    assert any("add_remote_agent" in p and "'remote_tp_rank'" in p for p in problems), problems
+
+
+def test_missing_constructor_attribute_and_metadata_field_fail(monkeypatch):
+    worker = complete_worker()
+    del worker._remote_region_offset
+    with pytest.raises(guard.UnsupportedVllmError, match="'_remote_region_offset'"):
+        guard.check_worker(worker)
+
+
+def test_attributes_vllm_sets_later_are_checked_in_its_source():
+    assert guard._later_attribute_problems(NixlPushConnectorWorker) == []
+    assert guard._later_attribute_problems(NixlPushConnectorWorker, ["num_descs", "num_desks"]) == [
+        "NixlPushConnectorWorker no longer sets self.num_desks"]
+
+
+def test_untested_version_fails_even_when_everything_is_there():
+    with pytest.raises(guard.UnsupportedVllmError, match=r"vLLM 0\.34\.0 is outside the tested range"):
+        guard.check_worker(complete_worker(), version="0.34.0")
+
+
+def test_the_seam_the_connector_uses_is_checked(monkeypatch):
+    assert guard._seam_problems() == []
+    monkeypatch.delattr(stock_connector, guard.WORKER_SEAM)
+    assert guard._seam_problems() == [
+        f"NixlPushConnector.__init__ no longer builds its worker by the name {guard.WORKER_SEAM!r}"]
+
+
+def test_worker_start_up_runs_the_guard(monkeypatch):
+    """ObservedPushWorker.__init__ checks right after vLLM's constructor: with a
+    constructor that sets nothing, start-up fails naming the missing attributes."""
+    monkeypatch.setattr(NixlPushConnectorWorker, "__init__", lambda self, *a, **k: None)
+    with pytest.raises(guard.UnsupportedVllmError, match="'nixl_wrapper'"):
+        ObservedPushWorker(None, "e", None)
+
+
+def test_switch_runs_anyway_and_metrics_say_degraded(monkeypatch):
+    kv = SimpleNamespace(get_from_extra_config=lambda key, default=None: default)
+    healthy = Frontend(NixlPushConnector, kv)
+    assert healthy.sample("vllm:nixl_observed_degraded") == 0.0
+    assert "vllm:nixl_observed_degraded{" in healthy.exposition()
+
+    monkeypatch.delattr(owner_of(NixlPushConnectorWorker, "_send_heartbeats"), "_send_heartbeats")
+    monkeypatch.setenv(guard.ALLOW_UNTESTED_ENV, "1")
+    verdict = guard.check_worker(complete_worker())  # no exception: allowed
+    assert not verdict.ok and any("_send_heartbeats" in p for p in verdict.problems)
+    degraded = Frontend(NixlPushConnector, kv)
+    assert degraded.sample("vllm:nixl_observed_degraded") == 1.0
+
+
+def test_an_import_that_vllm_broke_names_the_version_and_range(monkeypatch):
+    import sys
+
+    import connector
+
+    monkeypatch.setitem(sys.modules, "connector.glue.connector", None)  # import now fails
+    with pytest.raises(ImportError, match=rf"Installed vLLM: {VERSION}; tested range {guard.TESTED_RANGE}"):
+        connector.NixlPushConnector  # noqa: B018 - the attribute access is the import
