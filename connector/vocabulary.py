@@ -90,6 +90,9 @@ class TelemetryError(_Vocab):
     MALFORMED_RECORD = "malformed_record"  # API server: a stats record dropped whole
     TABLE_FULL = "table_full"  # per-request state past its bound: oldest dropped
     TRACE_CONTEXT = "trace_context_invalid"  # a peer sent an unusable trace context
+    # -- trace export back-end (issue 9): counted per span, never blocking a push --
+    SPANS_DROPPED = "spans_dropped"  # batch span queue full (exporter slow or down): span dropped
+    SPAN_EXPORT_FAILED = "span_export_failed"  # exporter gave up on a batch or raised: per span
 
 
 class PushRegRejection(_Vocab):

@@ -282,6 +282,15 @@ class Engine:
         samples.sort()
         return samples[len(samples) // 2]
 
+    def cmd_span_ledger(self) -> dict[str, int]:
+        """Spans ended / dropped / exported / failed in this process (export_guard)."""
+        from connector.telemetry.export_guard import ledger
+
+        return ledger()
+
+    def cmd_rss(self) -> int:
+        return _rss_bytes()
+
     def cmd_now(self) -> float:
         return time.perf_counter()
 
@@ -305,6 +314,11 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
             from connector.testing.spans import install_memory_tracer
 
             install_memory_tracer(service_name=f"vllm-{spec.name}")
+        elif isinstance(spec.tracing, dict) and spec.tracing.get("exporter") == "raising":
+            from connector.telemetry.tracing import install_provider
+            from connector.testing.otlp import RaisingExporter
+
+            install_provider(RaisingExporter())
         engine = Engine(spec)
     except BaseException as exc:  # report why, instead of a silent dead child
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
