@@ -282,6 +282,15 @@ class Engine:
         samples.sort()
         return samples[len(samples) // 2]
 
+    def cmd_batch(self, commands: list[tuple[str, tuple]]) -> list[Any]:
+        """Run several commands in one round trip (load tests drive thousands)."""
+        return [getattr(self, f"cmd_{name}")(*args) for name, args in commands]
+
+    def cmd_finished_among(self, req_ids: list[str]) -> dict[str, int]:
+        """How many of `req_ids` finished receiving, and how many failed."""
+        return {"finished": sum(r in self.finished_recving for r in req_ids),
+                "failed": sum(r in self.failed_recving for r in req_ids)}
+
     def cmd_span_ledger(self) -> dict[str, int]:
         """Spans ended / dropped / exported / failed in this process (export_guard)."""
         from connector.telemetry.export_guard import ledger

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import secrets
 import socket
 import statistics
@@ -15,7 +16,8 @@ from typing import Any
 from harness.config import FORK, EngineSpec
 from harness.engine import engine_main
 
-START_TIMEOUT_S = 180.0
+# A loaded CI machine can take minutes to import vLLM in several processes at once.
+START_TIMEOUT_S = float(os.environ.get("HARNESS_START_TIMEOUT_S", "180"))
 
 
 def free_port() -> int:
@@ -42,8 +44,8 @@ class EngineHandle:
         self.info: dict[str, Any] = {}
         self._next_block = 0
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> dict[str, Any]:
-        self.info = self._receive(timeout)
+    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
+        self.info = self._receive(START_TIMEOUT_S if timeout is None else timeout)
         return self.info
 
     def _receive(self, timeout: float) -> Any:
