@@ -424,3 +424,6 @@ PUSH_REG_FIELDS: dict[str, tuple[type, ...]] = {
 # Bounds on what a peer controls (the side channel and PUSH_REG are unauthenticated).
 MAX_PUSH_REG_BYTES = 1 << 20  # a PUSH_REG with 1M block ids is far past any real request
 MAX_PEER_STRING = 256  # engine ids, hosts, request ids kept on spans or in logs
+
+# -- trust boundary (issue 9): error text that can quote what a peer sent -----------
+MAX_ERROR_MESSAGE = 1024  # a handshake error's message (logs, span events)

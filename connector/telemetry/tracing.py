@@ -236,9 +236,10 @@ class SpanEmitter:
             Attr.OUTCOME: (record.outcome or Outcome.FAILURE).value,
             Attr.UPGRADE: record.upgrade,
             Attr.ATTEMPT: record.attempt,
-            Attr.REMOTE_ENGINE_ID: record.remote_engine_id,
+            # A P->D handshake's engine id and host come from the peer's PUSH_REG.
+            Attr.REMOTE_ENGINE_ID: peer_str(record.remote_engine_id),
             Attr.LOCAL_ENGINE_ID: record.local_engine_id,
-            Attr.SERVER_ADDRESS: record.host,
+            Attr.SERVER_ADDRESS: peer_str(record.host),
             Attr.SERVER_PORT: record.port,
             Attr.REMOTE_TP_SIZE: record.remote_tp_size,
             Attr.REMOTE_PP_SIZE: record.remote_pp_size,
@@ -274,6 +275,6 @@ class SpanEmitter:
                 child.set_status(Status(StatusCode.ERROR, record.error_message[:300]))
             child.end(end_time=max(seg.end_ns, seg.start_ns))
         if failed:
-            span.add_event("exception", {"exception.message": record.error_message})
+            span.add_event("exception", {"exception.message": record.error_message[:500]})
             span.set_status(Status(StatusCode.ERROR, record.error_message[:300]))
         span.end(end_time=max(record.ended_ns, record.submitted_ns))
