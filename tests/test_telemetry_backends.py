@@ -16,6 +16,7 @@ error. gRPC UNAVAILABLE is tried in process against a real gRPC receiver.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections import Counter
 from typing import Any
 
@@ -181,3 +182,9 @@ def test_grpc_unavailable_counts_as_export_failure(monkeypatch: pytest.MonkeyPat
         provider.shutdown()
     finally:
         receiver.close()
+
+
+def test_every_telemetry_error_reason_is_documented() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for reason in TelemetryError:
+        assert f"| `{reason.value}` |" in readme, reason
