@@ -16,8 +16,8 @@ error. gRPC UNAVAILABLE is tried in process against a real gRPC receiver.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
