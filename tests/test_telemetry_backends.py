@@ -3,18 +3,20 @@
 One real P/D harness (real NIXL/UCX, ZMQ); both engines export spans through our
 tracer set-up (`BatchSpanProcessor` wrapped by `connector.telemetry.export_guard`):
 - D exports OTLP/HTTP to one port, whose back-end goes through three phases:
-  down (nothing listening), slow (a real receiver taking seconds per export),
-  refusing (a real receiver answering 503);
+  down (nothing listening), slow (a real receiver that holds every export until the
+  pushes are done, then takes seconds per export), refusing (a real receiver
+  answering 503);
 - P exports to an exporter that raises on every export, throughout.
 A small batch queue (16 spans) makes the queue overflow on purpose. Per phase:
-every push lands byte-for-byte, the pushes finished while the back-end had taken
-almost none of the spans (no push waited on it), the queue stayed within its bound,
+every push lands byte-for-byte, the pushes finished while the back-end had answered
+no export at all (no push waited on it), the queue stayed within its bound,
 and every dropped or failed span reached the worker's stats as a counted telemetry
 error. gRPC UNAVAILABLE is tried in process against a real gRPC receiver.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -68,7 +70,7 @@ def _backend(phase: str, port: int) -> OtlpHttpReceiver | None:
     if phase == "down":
         return None
     if phase == "slow":
-        return OtlpHttpReceiver(port=port, delay_s=SLOW_S)
+        return OtlpHttpReceiver(port=port, delay_s=SLOW_S, hold=threading.Event())
     return OtlpHttpReceiver(port=port, status=503)
 
 
@@ -91,6 +93,8 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 report = h.push(REQUESTS, timeout_s=120)
                 at_done = _delta(h["D"].call("span_ledger"), before)
                 answered = receiver.requests if receiver else 0
+                if receiver is not None and receiver.hold is not None:
+                    receiver.hold.set()  # the stuck back-end recovers, slowly
                 led = _delta(_settled(h, "D"), before)
                 want = {LOSSES[0]: counted_before[LOSSES[0]] + led["dropped"],
                         LOSSES[1]: counted_before[LOSSES[1]] + led["export_failed"]}
@@ -120,13 +124,12 @@ def test_pushes_complete_whatever_the_backend(backends: Any, phase: str) -> None
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_pushes_did_not_wait_for_the_backend(backends: Any, phase: str) -> None:
-    """When the last push landed, the back-end had taken almost none of D's spans."""
+    """When the last push landed, the back-end had answered no export of D's spans."""
     facts = backends["phases"][phase]
     at_done = facts["at_done"]
     assert at_done["ended"] >= 2 * REQUESTS  # receive + register span per request
-    assert at_done["exported"] == 0 or phase == "slow"
-    # Slow: one export of BATCH spans per SLOW_S; far fewer than D ended by then.
-    assert facts["answered_at_done"] * BATCH < at_done["ended"]
+    assert at_done["exported"] == 0
+    assert facts["answered_at_done"] == 0
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -137,8 +140,8 @@ def test_queue_bounded_and_every_loss_counted(backends: Any, phase: str) -> None
     assert led["handed_to_exporter"] == led["exported"] + led["export_failed"], led
     # Memory bound: spans past the queue's 16 were dropped, not kept.
     assert led["dropped"] > 0, led
-    if phase == "slow":  # what was handed over arrived, late
-        assert led["export_failed"] == 0 and led["exported"] > 0, led
+    if phase == "slow":  # after the hold, exports arrive (the held one may have timed out)
+        assert led["exported"] > 0, led
     else:  # down, refusing: nothing arrived
         assert led["exported"] == 0 and led["export_failed"] > 0, led
     if phase != "down":  # the back-end really was tried

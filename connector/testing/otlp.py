@@ -52,20 +52,24 @@ def decode_request(request: trace_service_pb2.ExportTraceServiceRequest) -> list
 
 class _Store:
     """Received spans; `delay_s` makes every export take that long (a slow back-end),
-    and `attempts`/`in_progress` count export calls, answered or not."""
+    `hold` (an Event) keeps every export waiting until it is set (a stuck back-end), and
+    `attempts`/`in_progress` count export calls, answered or not."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0, hold: threading.Event | None = None) -> None:
         self.lock = threading.Lock()
         self.spans: list[dict[str, Any]] = []
         self.requests = 0
         self.attempts = 0
         self.in_progress = 0
         self.delay_s = delay_s
+        self.hold = hold
 
     def begin(self) -> None:
         with self.lock:
             self.attempts += 1
             self.in_progress += 1
+        if self.hold is not None:
+            self.hold.wait(600)  # the back-end being stuck, released by its owner
         if self.delay_s:
             time.sleep(self.delay_s)  # the back-end being slow, not test synchronisation
 
@@ -87,8 +91,9 @@ class _Store:
 class OtlpHttpReceiver(_Store):
     """`POST /v1/traces` with protobuf bodies (OTLP/HTTP), on 127.0.0.1."""
 
-    def __init__(self, port: int = 0, delay_s: float = 0.0, status: int = 200):
-        super().__init__(delay_s)
+    def __init__(self, port: int = 0, delay_s: float = 0.0, status: int = 200,
+                 hold: threading.Event | None = None):
+        super().__init__(delay_s, hold)
         store = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -132,6 +137,8 @@ class OtlpHttpReceiver(_Store):
         self._thread.start()
 
     def close(self) -> None:
+        if self.hold is not None:
+            self.hold.set()
         self._server.shutdown()
         self._server.server_close()
 
