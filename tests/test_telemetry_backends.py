@@ -191,3 +191,31 @@ def test_every_telemetry_error_reason_is_documented() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for reason in TelemetryError:
         assert f"| `{reason.value}` |" in readme, reason
+
+
+def test_overflow_and_raising_exporter_counted_in_process() -> None:
+    """Narrow check of export_guard with the SDK's real batch processor: every span ends
+    up dropped or handed over, and each loss is counted once in the telemetry errors."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from connector.telemetry import errors
+    from connector.telemetry.export_guard import CountingBatchSpanProcessor, CountingExporter, ledger
+    from connector.testing.otlp import RaisingExporter
+
+    errors.reset_for_tests()
+    before = ledger()
+    provider = TracerProvider()
+    provider.add_span_processor(CountingBatchSpanProcessor(
+        CountingExporter(RaisingExporter()), max_queue_size=4, max_export_batch_size=4,
+        schedule_delay_millis=60_000))
+    tracer = provider.get_tracer("t")
+    for _ in range(40):
+        tracer.start_span("s").end()  # never raises, never waits for the exporter
+    provider.force_flush()
+    led = {k: v - before[k] for k, v in ledger().items()}
+    assert led["ended"] == 40 == led["dropped"] + led["handed_to_exporter"]
+    assert led["dropped"] > 0 and led["exported"] == 0
+    assert led["export_failed"] == led["handed_to_exporter"] > 0
+    assert errors.drain() == {TelemetryError.SPANS_DROPPED.value: led["dropped"],
+                              TelemetryError.SPAN_EXPORT_FAILED.value: led["export_failed"]}
+    provider.shutdown()

@@ -15,6 +15,7 @@ the tests reconcile against.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Sequence
@@ -79,27 +80,48 @@ class CountingExporter(SpanExporter):
             return False
 
 
-class CountingBatchSpanProcessor(BatchSpanProcessor):
-    """`BatchSpanProcessor` that counts each span its full queue drops.
+class _CountingQueue(collections.deque):
+    """The batch processor's bounded deque, counting the spans it pushes out.
 
-    The SDK (1.45, pinned in the lock) appends to a bounded deque and drops the oldest
-    span when it is full; we look at the queue length just before handing the span
-    over. Without that internal (another SDK version) drops are simply not counted.
+    `appendleft` on a full deque drops the oldest span. Checking "full" before the
+    append would race with the export thread's `pop`, so both take a small lock: two
+    O(1) deque operations, never an export, so the ending thread never waits on the
+    back-end.
     """
 
-    def on_end(self, span: ReadableSpan) -> None:
-        full = False
+    def __init__(self, items: Any, maxlen: int | None):
+        super().__init__(items, maxlen)
+        self._guard = threading.Lock()
+
+    def appendleft(self, item: Any) -> None:
+        with self._guard:
+            full = self.maxlen is not None and len(self) >= self.maxlen
+            super().appendleft(item)
+        _add(ended=1, dropped=int(full))
+        if full:
+            errors.note(TelemetryError.SPANS_DROPPED, "span queue full (exporter slow or down)",
+                        exc_info=False)
+
+    def pop(self) -> Any:
+        with self._guard:
+            return super().pop()
+
+
+class CountingBatchSpanProcessor(BatchSpanProcessor):
+    """`BatchSpanProcessor` that counts each span its full queue drops, exactly.
+
+    The SDK (1.45, pinned in the lock) keeps spans in a bounded deque
+    (`_batch_processor._queue`) and only logs a drop; we swap in a counting deque of
+    the same bound. Should a future SDK lay this out differently, drops are simply not
+    counted (export failures still are).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         try:
-            inner: Any = getattr(self, "_batch_processor", None)
-            queue = getattr(inner, "_queue", None)
-            limit = getattr(inner, "_max_queue_size", None)
-            full = queue is not None and limit is not None and len(queue) >= limit
-        except Exception:  # pragma: no cover - SDK internals changed shape
-            full = False
-        if span.context is not None and span.context.trace_flags.sampled:
-            _add(ended=1)
-            if full:
-                _add(dropped=1)
-                errors.note(TelemetryError.SPANS_DROPPED, "span queue full (exporter slow or down)",
-                            exc_info=False)
-        super().on_end(span)
+            inner: Any = self._batch_processor
+            queue = inner._queue
+            if isinstance(queue, collections.deque):
+                inner._queue = _CountingQueue(queue, queue.maxlen)
+        except Exception as exc:  # pragma: no cover - SDK internals changed shape
+            logger.info("span drops will not be counted: %s", exc)
