@@ -7,6 +7,7 @@
    harnesses alive at once and batches interleaved: median per request and ratio.
 
     python -m benchmarks.run [--layers 32] [--blocks 2048] [--rounds 7] [--requests 40]
+    python -m benchmarks.run --backends   # trace back-end down/slow vs off (benchmarks.backends)
 """
 
 from __future__ import annotations
@@ -149,7 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-push", action="store_true")
     parser.add_argument("--skip-handshake", action="store_true")
     parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--backends", action="store_true",
+                        help="only: push latency with the trace back-end down or slow (benchmarks.backends)")
     args = parser.parse_args(argv)
+    if args.backends:
+        from benchmarks.backends import backends_bench
+
+        backends_bench(args.requests, args.batches)
+        return 0
     if not args.skip_handshake:
         handshake_bench(args.layers, args.blocks, args.rounds)
     if not args.skip_push:

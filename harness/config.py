@@ -34,6 +34,8 @@ class EngineSpec:
     block_size: int = 32
     extra_config: dict[str, Any] = field(default_factory=dict)
     # None (off) | "memory" (in-process exporter) | {"endpoint": ..., "protocol": ...}
+    # | {"exporter": "raising"} (our batch processor around an exporter that raises);
+    # dicts may add max_queue_size, max_export_batch_size, export_timeout_s
     tracing: Any = None
     workdir: str = "/tmp"
 
@@ -117,8 +119,15 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
     if isinstance(spec.tracing, dict):
-        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = spec.tracing["endpoint"]
-        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = spec.tracing.get("protocol", "grpc")
+        if "endpoint" in spec.tracing:
+            env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = spec.tracing["endpoint"]
+            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = spec.tracing.get("protocol", "grpc")
         env["OTEL_SERVICE_NAME"] = f"vllm-{spec.name}"
         env["OTEL_BSP_SCHEDULE_DELAY"] = "200"
+        # Optional batch-processor bounds and exporter timeout (back-end fault tests).
+        for key, var in (("max_queue_size", "OTEL_BSP_MAX_QUEUE_SIZE"),
+                         ("max_export_batch_size", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"),
+                         ("export_timeout_s", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")):
+            if key in spec.tracing:
+                env[var] = str(spec.tracing[key])
     return env

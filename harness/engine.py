@@ -296,6 +296,24 @@ class Engine:
         samples.sort()
         return samples[len(samples) // 2]
 
+    def cmd_batch(self, commands: list[tuple[str, tuple]]) -> list[Any]:
+        """Run several commands in one round trip (load tests drive thousands)."""
+        return [getattr(self, f"cmd_{name}")(*args) for name, args in commands]
+
+    def cmd_finished_among(self, req_ids: list[str]) -> dict[str, int]:
+        """How many of `req_ids` finished receiving, and how many failed."""
+        return {"finished": sum(r in self.finished_recving for r in req_ids),
+                "failed": sum(r in self.failed_recving for r in req_ids)}
+
+    def cmd_span_ledger(self) -> dict[str, int]:
+        """Spans ended / dropped / exported / failed in this process (export_guard)."""
+        from connector.telemetry.export_guard import ledger
+
+        return ledger()
+
+    def cmd_rss(self) -> int:
+        return _rss_bytes()
+
     def cmd_now(self) -> float:
         return time.perf_counter()
 
@@ -323,6 +341,11 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
             from connector.testing.spans import install_memory_tracer
 
             install_memory_tracer(service_name=f"vllm-{spec.name}")
+        elif isinstance(spec.tracing, dict) and spec.tracing.get("exporter") == "raising":
+            from connector.telemetry.tracing import install_provider
+            from connector.testing.otlp import RaisingExporter
+
+            install_provider(RaisingExporter())
         engine = Engine(spec)
     except BaseException as exc:  # report why, instead of a silent dead child
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

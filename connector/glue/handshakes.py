@@ -47,6 +47,7 @@ from connector.telemetry.record import (
     PhaseSegment,
 )
 from connector.telemetry.savings import LocalLayout, full_handshake_saving
+from connector.telemetry.tracing import peer_str
 from connector.vocabulary import (
     Attr,
     Direction,
@@ -202,7 +203,7 @@ class HandshakeFlow:
             if delay is not None:
                 logger.warning(
                     "NIXL handshake to %s (%s:%s, %s) failed transiently (%s); retry %d in %.2f s",
-                    job.engine_id, job.host, job.port, job.direction.value,
+                    peer_str(job.engine_id), peer_str(job.host), job.port, job.direction.value,
                     record.error_type.value if record.error_type else "error", job.attempt, delay)
                 self._publish_handshake(record)
                 self._safe_stats(self.xfer_stats.record_retry, job.direction.value)
@@ -222,7 +223,7 @@ class HandshakeFlow:
                 self._pending_notif_only.pop(eid, None)
             if exc is not None:
                 self._log_failure(failure_type="handshake_setup_failed", req_id=None,
-                                  error=exc, remote_engine_id=eid)
+                                  error=exc, remote_engine_id=peer_str(eid))
                 self.xfer_stats.record_failed_handshake()
             else:
                 remote_agents, clock_offset = result

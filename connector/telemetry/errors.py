@@ -22,11 +22,11 @@ _counts: Counter[str] = Counter()
 _warned: set[str] = set()
 
 
-def note(reason: TelemetryError, detail: object = "", exc_info: bool = True) -> None:
-    """Count one lost piece of telemetry; never raises."""
+def note(reason: TelemetryError, detail: object = "", exc_info: bool = True, count: int = 1) -> None:
+    """Count `count` lost pieces of telemetry (default one); never raises."""
     try:
         with _lock:
-            _counts[reason.value] += 1
+            _counts[reason.value] += count
             first = reason.value not in _warned
             _warned.add(reason.value)
         if first:

@@ -11,7 +11,7 @@ import logging
 from collections import Counter as Counter_
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlPromMetrics
 
 from connector import vocabulary as V
@@ -25,6 +25,11 @@ class ObservedPromMetrics(NixlPromMetrics):
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):
+        # Built a second time in one process without vLLM's unregister (a second
+        # KVConnectorProm), registration would raise for every name, stock ones
+        # included: reuse the registered metric instead, so both instances count
+        # into the same series and nothing is lost or counted twice.
+        metric_types = {base: _reusing(cls) for base, cls in metric_types.items()}
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.dropped_records = 0
         self._ours: dict[str, Any] = {}
@@ -215,3 +220,33 @@ class ObservedPromMetrics(NixlPromMetrics):
             self._child(V.DESCRIPTOR_REGISTRATIONS_SAVED, idx, direction).inc(saved_regs)
         if saved_descs:
             self._child(V.DESCRIPTORS_SAVED, idx, direction).inc(saved_descs)
+
+
+def _reusing(cls: Any) -> Any:
+    """`cls` as a factory that hands back the already-registered metric on a duplicate.
+
+    Only the default registry is searched (vLLM's classes register there, in
+    multiprocess mode too); a duplicate of another type or label set still raises.
+    """
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return cls(*args, **kwargs)
+        except ValueError as exc:
+            if "Duplicated timeseries" not in str(exc):
+                raise
+            name = kwargs.get("name", args[0] if args else "")
+            existing = REGISTRY._names_to_collectors.get(name)
+            wanted = tuple(kwargs.get("labelnames", args[2] if len(args) > 2 else ()))
+            if (existing is None or not isinstance(existing, _base_of(cls))
+                    or tuple(getattr(existing, "_labelnames", ())) != wanted):
+                raise
+            logger.info("metric %s already registered in this process: reusing it", name)
+            return existing
+
+    return make
+
+
+def _base_of(cls: Any) -> tuple[type, ...]:
+    bases = tuple(b for b in (Counter, Gauge, Histogram) if isinstance(cls, type) and issubclass(cls, b))
+    return bases or (Counter, Gauge, Histogram)

@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from connector.vocabulary import (
+    MAX_ERROR_MESSAGE,
     DescriptorList,
     Direction,
     ErrorType,
@@ -45,6 +46,10 @@ class HandshakeError(RuntimeError):
     """A handshake failure that already knows its bounded error type."""
 
     def __init__(self, error_type: ErrorType, message: str):
+        # Messages quote what the peer sent (engine id, hash, decoder errors): bound
+        # them here, once, before they reach a log line, a span or the caller.
+        if len(message) > MAX_ERROR_MESSAGE:
+            message = message[:MAX_ERROR_MESSAGE] + f"... [{len(message)} chars]"
         super().__init__(message)
         self.error_type = error_type
 

@@ -92,20 +92,34 @@ def resolve_tracer(otlp_traces_endpoint: str | None = None) -> trace.Tracer | No
         return None
     with _setup_lock:
         if _own_provider is None:
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-            resource = Resource.create(
-                {"service.name": os.environ.get("OTEL_SERVICE_NAME", "vllm"),
-                 "vllm.process_id": str(os.getpid())}
-            )
-            provider = TracerProvider(resource=resource)
-            provider.add_span_processor(BatchSpanProcessor(make_span_exporter(endpoint)))
-            trace.set_tracer_provider(provider)
-            _own_provider = trace.get_tracer_provider()
-            if not isinstance(_own_provider, TracerProvider):  # someone else won
-                _own_provider = provider
+            install_provider(make_span_exporter(endpoint))
         return _own_provider.get_tracer(TRACER_NAME)
+
+
+def install_provider(exporter: Any) -> Any:
+    """Install our SDK provider: `exporter` behind a batch processor, losses counted.
+
+    Export runs on the processor's thread; a full queue drops (counted as
+    `spans_dropped`), a failing or raising exporter is counted per span
+    (`span_export_failed`); neither ever reaches the thread that ended the span.
+    """
+    global _own_provider
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from connector.telemetry.export_guard import CountingBatchSpanProcessor, CountingExporter
+
+    resource = Resource.create(
+        {"service.name": os.environ.get("OTEL_SERVICE_NAME", "vllm"),
+         "vllm.process_id": str(os.getpid())}
+    )
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(CountingBatchSpanProcessor(CountingExporter(exporter)))
+    trace.set_tracer_provider(provider)
+    _own_provider = trace.get_tracer_provider()
+    if not isinstance(_own_provider, TracerProvider):  # someone else won
+        _own_provider = provider
+    return _own_provider
 
 
 def inject_context(span: Any) -> dict[str, str]:
@@ -235,9 +249,10 @@ class SpanEmitter:
             Attr.OUTCOME: (record.outcome or Outcome.FAILURE).value,
             Attr.UPGRADE: record.upgrade,
             Attr.ATTEMPT: record.attempt,
-            Attr.REMOTE_ENGINE_ID: record.remote_engine_id,
+            # A P->D handshake's engine id and host come from the peer's PUSH_REG.
+            Attr.REMOTE_ENGINE_ID: peer_str(record.remote_engine_id),
             Attr.LOCAL_ENGINE_ID: record.local_engine_id,
-            Attr.SERVER_ADDRESS: record.host,
+            Attr.SERVER_ADDRESS: peer_str(record.host),
             Attr.SERVER_PORT: record.port,
             Attr.REMOTE_TP_SIZE: record.remote_tp_size,
             Attr.REMOTE_PP_SIZE: record.remote_pp_size,
@@ -273,6 +288,6 @@ class SpanEmitter:
                 child.set_status(Status(StatusCode.ERROR, record.error_message[:300]))
             child.end(end_time=max(seg.end_ns, seg.start_ns))
         if failed:
-            span.add_event("exception", {"exception.message": record.error_message})
+            span.add_event("exception", {"exception.message": record.error_message[:500]})
             span.set_status(Status(StatusCode.ERROR, record.error_message[:300]))
         span.end(end_time=max(record.ended_ns, record.submitted_ns))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import threading
+import time
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -50,10 +51,31 @@ def decode_request(request: trace_service_pb2.ExportTraceServiceRequest) -> list
 
 
 class _Store:
-    def __init__(self) -> None:
+    """Received spans; `delay_s` makes every export take that long (a slow back-end),
+    `hold` (an Event) keeps every export waiting until it is set (a stuck back-end), and
+    `attempts`/`in_progress` count export calls, answered or not."""
+
+    def __init__(self, delay_s: float = 0.0, hold: threading.Event | None = None) -> None:
         self.lock = threading.Lock()
         self.spans: list[dict[str, Any]] = []
         self.requests = 0
+        self.attempts = 0
+        self.in_progress = 0
+        self.delay_s = delay_s
+        self.hold = hold
+
+    def begin(self) -> None:
+        with self.lock:
+            self.attempts += 1
+            self.in_progress += 1
+        if self.hold is not None:
+            self.hold.wait(600)  # the back-end being stuck, released by its owner
+        if self.delay_s:
+            time.sleep(self.delay_s)  # the back-end being slow, not test synchronisation
+
+    def done(self) -> None:
+        with self.lock:
+            self.in_progress -= 1
 
     def add(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
         spans = decode_request(request)
@@ -69,13 +91,26 @@ class _Store:
 class OtlpHttpReceiver(_Store):
     """`POST /v1/traces` with protobuf bodies (OTLP/HTTP), on 127.0.0.1."""
 
-    def __init__(self, port: int = 0):
-        super().__init__()
+    def __init__(self, port: int = 0, delay_s: float = 0.0, status: int = 200,
+                 hold: threading.Event | None = None):
+        super().__init__(delay_s, hold)
         store = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
+                store.begin()
+                try:
+                    self._post()
+                finally:
+                    store.done()
+
+            def _post(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if status != 200:  # a refusing back-end (e.g. 503 while overloaded)
+                    self.send_response(status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
                 if self.path != "/v1/traces":
@@ -102,6 +137,8 @@ class OtlpHttpReceiver(_Store):
         self._thread.start()
 
     def close(self) -> None:
+        if self.hold is not None:
+            self.hold.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -109,16 +146,22 @@ class OtlpHttpReceiver(_Store):
 class OtlpGrpcReceiver(_Store):
     """OTLP/gRPC `TraceService.Export` on 127.0.0.1."""
 
-    def __init__(self, port: int = 0):
+    def __init__(self, port: int = 0, delay_s: float = 0.0, refuse: bool = False):
         import grpc
 
-        super().__init__()
+        super().__init__(delay_s)
         store = self
 
         class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
             def Export(self, request: Any, context: Any) -> Any:
-                store.add(request)
-                return trace_service_pb2.ExportTraceServiceResponse()
+                store.begin()
+                try:
+                    if refuse:  # what an overloaded collector answers
+                        context.abort(grpc.StatusCode.UNAVAILABLE, "collector overloaded")
+                    store.add(request)
+                    return trace_service_pb2.ExportTraceServiceResponse()
+                finally:
+                    store.done()
 
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self._server)
@@ -128,3 +171,20 @@ class OtlpGrpcReceiver(_Store):
 
     def close(self) -> None:
         self._server.stop(grace=None)
+
+
+class RaisingExporter:
+    """A span exporter whose every export raises (a broken exporter plug-in)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def export(self, spans: Any) -> Any:
+        self.calls += 1
+        raise RuntimeError("exporter exploded")
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
