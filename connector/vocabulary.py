@@ -41,6 +41,9 @@ class Trigger(_Vocab):
     PUSH_REG = "push_reg"
     HEARTBEAT = "heartbeat"
     PUSH_WRITE = "push_write"
+    # P started its P->D handshake when D's PUSH_REG arrived, before the prefill was
+    # done, so the WRITE finds the connection ready.
+    PUSH_REG_EARLY = "push_reg_early"
     OTHER = "other"
 
 
@@ -149,6 +152,8 @@ class Attr:
     REQUEST_ID = "gen_ai.request.id"
     REMOTE_REQUEST_ID = "vllm.nixl.remote_request_id"
     NUM_BLOCKS = "vllm.nixl.push.num_blocks"
+    # Seconds the WRITE of a request waited for its P->D handshake (0: it was ready).
+    HANDSHAKE_WAIT = "vllm.nixl.push.handshake_wait_s"
     SERVER_ADDRESS = "server.address"
     SERVER_PORT = "server.port"
     ERROR_TYPE = "error.type"

@@ -103,7 +103,8 @@ class HandshakeFlow:
         if trigger in (Trigger.PUSH_REG, Trigger.HEARTBEAT):
             # D only ever sends notifications to P in push mode.
             return Direction.D_TO_P, True
-        if trigger is Trigger.PUSH_WRITE:
+        if trigger in (Trigger.PUSH_WRITE, Trigger.PUSH_REG_EARLY):
+            # P writes into D's blocks: it needs D's descriptors.
             return Direction.P_TO_D, False
         if self._kv_role == "kv_consumer" or requested_notif_only:
             return Direction.D_TO_P, requested_notif_only
@@ -125,11 +126,13 @@ class HandshakeFlow:
             pending_notif_only = self._pending_notif_only.get(engine_id, True)
             if pending is not None and (notif_only or not pending_notif_only):
                 self._note_joined_handshake(engine_id, pending_notif_only)
+                self._trigger_local.deferred = True
                 return pending
             # What remains: no handshake yet, or a WRITE needs descriptors from a peer
             # reached (or being reached) notification-only. The one-thread executor
             # runs an upgrade after any queued notification-only handshake.
             upgrade = connected or pending is not None
+            self._trigger_local.deferred = True
             return self._submit_handshake(engine_id, host, port, tp_size, tail, direction, trigger,
                                           notif_only=notif_only and not upgrade, upgrade=upgrade)
 

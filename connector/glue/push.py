@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -25,7 +26,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 
 from connector.glue.receive import count_blocks
 from connector.telemetry import errors
-from connector.telemetry.tracing import SpanEmitter, activated, extract_context, peer_str
+from connector.telemetry.span_table import MAX_TRACKED_REQUESTS
+from connector.telemetry.tracing import (
+    SpanEmitter,
+    activated,
+    activated_context,
+    extract_context,
+    peer_str,
+)
 from connector.vocabulary import (
     MAX_PUSH_REG_BYTES,
     PUSH_REG_FIELDS,
@@ -44,26 +52,31 @@ _PUSH_REG_PREFIX = b"PUSH_REG:"
 _XFER_BLOCKS_SIG = inspect.signature(NixlPushConnectorWorker._xfer_blocks)
 
 
-def push_reg_problem(notif: bytes) -> tuple[PushRegRejection, str] | None:
-    """Why P must not act on this PUSH_REG notification (None: it is well-formed)."""
+def parse_push_reg(notif: bytes) -> tuple[dict[str, Any] | None, tuple[PushRegRejection, str] | None]:
+    """The decoded PUSH_REG, or why P must not act on it."""
     body = notif[len(_PUSH_REG_PREFIX):]
     if len(body) > MAX_PUSH_REG_BYTES:
-        return PushRegRejection.OVERSIZED, f"{len(body)} bytes > {MAX_PUSH_REG_BYTES}"
+        return None, (PushRegRejection.OVERSIZED, f"{len(body)} bytes > {MAX_PUSH_REG_BYTES}")
     try:
         reg = msgspec.msgpack.decode(body)
     except Exception as exc:
-        return PushRegRejection.UNDECODABLE, f"{type(exc).__name__}: {str(exc)[:100]}"
+        return None, (PushRegRejection.UNDECODABLE, f"{type(exc).__name__}: {str(exc)[:100]}")
     if not isinstance(reg, dict):
-        return PushRegRejection.NOT_A_MAP, f"a {type(reg).__name__}"
+        return None, (PushRegRejection.NOT_A_MAP, f"a {type(reg).__name__}")
     for name, types in PUSH_REG_FIELDS.items():
         if name not in reg:
-            return PushRegRejection.MISSING_FIELD, name
+            return None, (PushRegRejection.MISSING_FIELD, name)
         value = reg[name]
         if not isinstance(value, types) or isinstance(value, bool):
-            return PushRegRejection.WRONG_TYPE, f"{name} is a {type(value).__name__}"
+            return None, (PushRegRejection.WRONG_TYPE, f"{name} is a {type(value).__name__}")
     if not _valid_block_ids(reg["local_block_ids"]):
-        return PushRegRejection.WRONG_TYPE, "local_block_ids are not (lists of) block ids"
-    return None
+        return None, (PushRegRejection.WRONG_TYPE, "local_block_ids are not (lists of) block ids")
+    return reg, None
+
+
+def push_reg_problem(notif: bytes) -> tuple[PushRegRejection, str] | None:
+    """Why P must not act on this PUSH_REG notification (None: it is well-formed)."""
+    return parse_push_reg(notif)[1]
 
 
 def _valid_block_ids(block_ids: Any) -> bool:
@@ -79,7 +92,7 @@ class PushFlow:
 
     # --------------------------------------------------------- PUSH_REG intake
     def _handle_push_reg_notif(self, notif: bytes) -> None:
-        problem = push_reg_problem(notif)
+        reg, problem = parse_push_reg(notif)
         if problem is not None:
             self._reject_push_reg(problem[0], problem[1], notif)
             return
@@ -89,6 +102,29 @@ class PushFlow:
             # Already counted as a push failure where it was known; keep the batch going.
             self._reject_push_reg(PushRegRejection.FAILED, f"{type(exc).__name__}: {exc}", notif,
                                   exc_info=True)
+            return
+        if self._early_p_to_d and reg["request_id"] in self._pending_d_registrations:
+            self._start_early_handshake(reg)
+
+    def _start_early_handshake(self, reg: dict[str, Any]) -> None:
+        """Start the P->D handshake now, while the prefill still runs.
+
+        The PUSH_REG usually arrives long before P's blocks are ready; upstream the
+        full handshake to a new D only starts at the WRITE, so the first request from
+        every new D paid prefill + handshake + WRITE in series. Started here (on vLLM's
+        handshake executor, the writer never waits), the WRITE path later finds the
+        connection ready or joins this very handshake; if this one fails, the WRITE
+        path tries again as it always did, so no request fails because of it.
+        """
+        try:
+            # Its span sits in the request's trace, under D's register span.
+            parent = extract_context(reg.get(PUSH_REG_TRACE_KEY)) if self._spans.enabled else None
+            with activated_context(parent), self._triggered_by(Trigger.PUSH_REG_EARLY):
+                self._ensure_handshake(reg["decode_engine_id"], reg["decode_host"],
+                                       reg["decode_port"], reg["decode_tp_size"])
+        except Exception:
+            logger.warning("early P->D handshake to %s could not start; the WRITE will start it",
+                           peer_str(reg.get("decode_engine_id")), exc_info=True)
 
     def _reject_push_reg(self, reason: PushRegRejection, detail: str, notif: bytes,
                          exc_info: bool = False) -> None:
@@ -118,6 +154,7 @@ class PushFlow:
                                 Attr.LOCAL_ENGINE_ID: self.engine_id,
                                 Attr.NUM_BLOCKS: count_blocks(local_block_ids)})
                 self._write_spans.put(request_id, span)
+        self._trigger_local.deferred = False
         with activated(span), self._triggered_by(Trigger.PUSH_WRITE):
             try:
                 super()._do_start_push_kv(request_id, local_block_ids, registration_data)
@@ -126,6 +163,26 @@ class PushFlow:
                 # the batch. It costs this request only (its lease reclaims the blocks).
                 self._log_failure(failure_type="transfer_setup_failed", req_id=request_id,
                                   msg="push could not start", error=exc)
+        self._note_handshake_wait(request_id, span, deferred=self._trigger_local.deferred)
+
+    def _note_handshake_wait(self, request_id: str, span: Any, deferred: bool) -> None:
+        """How long this WRITE waited for its P->D handshake (writer thread only).
+
+        vLLM defers a WRITE whose handshake is pending and calls `_do_start_push_kv`
+        again when it is done: the time between the two calls is the wait.
+        """
+        try:
+            if deferred:
+                self._write_deferred_at.setdefault(request_id, time.monotonic())
+                while len(self._write_deferred_at) > MAX_TRACKED_REQUESTS:
+                    self._write_deferred_at.pop(next(iter(self._write_deferred_at)))
+                return
+            started = self._write_deferred_at.pop(request_id, None)
+            waited = 0.0 if started is None else time.monotonic() - started
+            if span is not None and span.is_recording():
+                span.set_attribute(Attr.HANDSHAKE_WAIT, waited)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
 
     def _xfer_blocks_for_req(self, req_id: str, meta: ReqMeta) -> None:
         try:

@@ -76,6 +76,9 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnector
         self._pushing = BoundedIdSet()  # P: WRITEs posted, not yet reported done
         self._push_failed = BoundedIdSet()
         self._retry_policy = RetryPolicy.from_extra_config(extra)
+        # P: start the P->D handshake when D's PUSH_REG arrives (see push.py).
+        self._early_p_to_d = str(extra("early_p_to_d_handshake", True)).lower() not in ("false", "0")
+        self._write_deferred_at: dict[str, float] = {}
         self._in_flight = InFlight()
 
     # ------------------------------------------------------------------ stats

@@ -42,6 +42,8 @@ def note(reason: TelemetryError, detail: object = "", exc_info: bool = True) -> 
 
 def drain() -> dict[str, int]:
     """Counts since the last drain (the worker moves them into its stats)."""
+    if not _counts:
+        return {}  # every engine step asks: no lock on the common path
     with _lock:
         if not _counts:
             return {}

@@ -39,6 +39,8 @@ class InFlight:
 
     def snapshot(self) -> dict[str, list[float]] | None:
         """{"d_to_p|true": [count, oldest_age_s], ...}; None when nothing changed to report."""
+        if not self._open and not self._reported_open:
+            return None  # the common idle step: no lock, no clock read
         now = time.time_ns()
         with self._lock:
             records = list(self._open.values())

@@ -163,6 +163,19 @@ def activated(span: Any) -> Iterator[None]:
         otel_context.detach(token)
 
 
+@contextmanager
+def activated_context(ctx: Any) -> Iterator[None]:
+    """Make an extracted context current on this thread (no-op for None)."""
+    if ctx is None:
+        yield
+        return
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
 class SpanEmitter:
     """Builds our spans; every method is a no-op when `tracer` is None."""
 
