@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import secrets
 import signal
 import threading
@@ -40,18 +41,19 @@ from connector.vocabulary import (
 )
 from harness import PushHarness
 from harness.config import EngineSpec
-from harness.runner import free_port
+from harness.runner import EngineHandle, free_port
 from tests.conftest import handshakes
 
 pytestmark = pytest.mark.real
 
 NUM_BLOCKS = 512
-TIMEOUT_MS = 1500  # side-channel timeout of P and D
-E_TIMEOUT_MS = 3000  # E: long enough to watch a hung handshake on the gauge
+TIMEOUT_MS = 2500  # side-channel timeout of P and D
+E_TIMEOUT_MS = 4000  # E: long enough to watch a hung handshake on the gauge
 RETRYING = {"handshake_timeout_ms": TIMEOUT_MS, "handshake_retries": 3,
             "handshake_retry_backoff_s": 0.1, "handshake_retry_budget_s": 20}
 NO_RETRY = {"handshake_timeout_ms": E_TIMEOUT_MS, "handshake_retries": 0}
 PUSH_LOG = "connector.glue.push"
+START_TIMEOUT_S = 600.0
 
 
 # ------------------------------------------------------------------ side-channel fakes
@@ -174,7 +176,9 @@ class Rig:
     def serves(self, p: str, d: str) -> None:
         """`p` still pushes to `d`: one request, bytes verified."""
         report = self.h.push(1, prefill=p, decode=d, heartbeat=False)
-        assert report.ok, report
+        # (Not report.ok: its check of D's other blocks does not know the blocks the
+        # fault cases wrote on purpose.)
+        assert report.verified == 1 and not report.failed and not report.mismatched, report
 
 
 def count(stats: list[dict], key: str) -> int:
@@ -222,7 +226,13 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Any:
         EngineSpec(name="K", engine_id=f"prefill-k-{run}", kv_role="kv_producer",
                    side_channel_port=free_port(), extra_config=RETRYING, **common),
     ]
-    with PushHarness(specs) as h:
+    h = PushHarness(specs)
+    try:
+        # Four engines start at once; on a busy 2-core machine that can take minutes.
+        for name, spec in h.specs.items():
+            h.engines[name] = EngineHandle(spec)
+        for handle in h.engines.values():
+            handle.wait_ready(timeout=START_TIMEOUT_S)
         r = Rig(h)
         try:
             for name in "PDE":
@@ -236,6 +246,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Any:
             k = h["K"].process
             if k.is_alive():
                 os.kill(k.pid, signal.SIGCONT)
+    finally:
+        h.stop()
 
 
 # ------------------------------------------------------------ 1. retry on a stall
@@ -455,7 +467,7 @@ def test_lease_expires_before_the_write_then_no_write(rig: Rig) -> None:
     rig.serves("P", "D")
 
 
-@pytest.mark.parametrize("bad_block", [NUM_BLOCKS, NUM_BLOCKS + 1, 10**6])
+@pytest.mark.parametrize("bad_block", [NUM_BLOCKS, 10**6])
 def test_write_to_blocks_outside_d_fails_once_and_writes_nothing(rig: Rig, bad_block: int) -> None:
     """D's registration names a block D does not have: no WRITE lands anywhere in D."""
     h = rig.h
@@ -488,41 +500,47 @@ _anything = st.recursive(
     lambda inner: st.lists(inner, max_size=4)
     | st.dictionaries(st.text(max_size=12) | _ints, inner, max_size=4),
     max_leaves=12)
-_good_reg = st.fixed_dictionaries({
-    "request_id": st.text(min_size=1, max_size=40),
-    "decode_engine_id": st.text(min_size=1, max_size=40),
-    "decode_host": st.just("127.0.0.1"),
-    "decode_port": st.integers(1, 65535),
-    "decode_tp_size": st.integers(1, 8),
-    "local_block_ids": st.lists(st.lists(st.integers(0, 10**6), max_size=8), min_size=1, max_size=2),
-    "remote_engine_id": st.text(max_size=20),
-}, optional={PUSH_REG_TRACE_KEY: _anything})
+def fuzz_bodies(decoder: dict[str, Any]) -> st.SearchStrategy[bytes]:
+    """PUSH_REG payloads (after the prefix), mostly malformed.
+
+    The well-formed ones name the real decoder P is already connected to: P keeps
+    them pending (nothing matches), and they start no handshake.
+    """
+    good_reg = st.fixed_dictionaries({
+        "request_id": st.text(max_size=40).map(lambda t: "fuzz-" + t),
+        "decode_engine_id": st.just(decoder["engine_id"]),
+        "decode_host": st.just(decoder["host"]),
+        "decode_port": st.just(decoder["port"]),
+        "decode_tp_size": st.just(1),
+        "local_block_ids": st.lists(st.lists(st.integers(0, 10**6), max_size=8), min_size=1,
+                                    max_size=2),
+        "remote_engine_id": st.text(max_size=20),
+    }, optional={PUSH_REG_TRACE_KEY: _anything})
+
+    @st.composite
+    def mutated(draw: st.DrawFn) -> dict[str, Any]:
+        reg = draw(good_reg)
+        field = draw(st.sampled_from(sorted(reg)))
+        if draw(st.booleans()):
+            del reg[field]
+        else:
+            reg[field] = draw(_anything)
+        return reg
+
+    @st.composite
+    def truncated(draw: st.DrawFn) -> bytes:
+        body = msgspec.msgpack.encode(draw(good_reg))
+        return body[:draw(st.integers(0, len(body) - 1))]
+
+    return st.one_of(
+        st.binary(max_size=256),  # not msgpack at all (mostly)
+        st.builds(msgspec.msgpack.encode, _anything),  # a non-map, or a map without our fields
+        st.builds(msgspec.msgpack.encode, mutated()),  # a field missing or of the wrong type
+        truncated(),  # cut short
+        st.builds(msgspec.msgpack.encode, good_reg),  # well-formed, matches nothing
+    )
 
 
-@st.composite
-def _mutated_reg(draw: st.DrawFn) -> dict[str, Any]:
-    reg = draw(_good_reg)
-    field = draw(st.sampled_from(sorted(reg)))
-    if draw(st.booleans()):
-        del reg[field]
-    else:
-        reg[field] = draw(_anything)
-    return reg
-
-
-@st.composite
-def _truncated(draw: st.DrawFn) -> bytes:
-    body = msgspec.msgpack.encode(draw(_good_reg))
-    return body[:draw(st.integers(0, len(body) - 1))]
-
-
-FUZZ_BODIES = st.one_of(
-    st.binary(max_size=256),  # not msgpack at all (mostly)
-    st.builds(msgspec.msgpack.encode, _anything),  # a non-map, or a map without our fields
-    st.builds(msgspec.msgpack.encode, _mutated_reg()),  # a field missing or of the wrong type
-    _truncated(),  # cut short
-    st.builds(msgspec.msgpack.encode, _good_reg),  # well-formed, matches nothing (kept pending)
-)
 HOSTILE_CONTEXTS = st.one_of(
     _anything,
     st.fixed_dictionaries({"traceparent": st.text(max_size=200) | _anything}),
@@ -531,12 +549,32 @@ HOSTILE_CONTEXTS = st.one_of(
 )
 
 
+def mutants(body: bytes, n: int) -> list[bytes]:
+    """`n` cheap byte-level variants of one payload (a flipped byte, cut short,
+    garbage appended, a byte dropped), deterministic per payload."""
+    rnd = random.Random(body)
+    out = []
+    for i in range(n):
+        b = bytearray(body or b"\x00")
+        pos = rnd.randrange(len(b))
+        if i % 4 == 0:
+            b[pos] ^= 1 << rnd.randrange(8)
+        elif i % 4 == 1:
+            del b[pos:]
+        elif i % 4 == 2:
+            b += rnd.randbytes(rnd.randrange(1, 16))
+        else:
+            del b[pos]
+        out.append(bytes(b))
+    return out
+
+
 def draw_examples(strategy: st.SearchStrategy, n: int) -> list[Any]:
     """`n` examples from a strategy (Hypothesis as the generator; no shrinking needed:
     the oracle below classifies every payload)."""
     out: list[Any] = []
 
-    @settings(max_examples=n, database=None, deadline=None, derandomize=False,
+    @settings(max_examples=n, database=None, deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck), phases=[Phase.generate])
     @given(strategy)
     def collect(example: Any) -> None:
@@ -550,7 +588,8 @@ def test_push_reg_fuzz_through_real_nixl(rig: Rig) -> None:
     """Thousands of malformed PUSH_REGs from D's real NIXL agent into P's writer, in
     batches with good pushes (carrying hostile trace contexts) in between."""
     h, p_eid = rig.h, rig.h["P"].address["engine_id"]
-    bodies = draw_examples(FUZZ_BODIES, 2500)
+    seeds = draw_examples(fuzz_bodies(h["D"].address), 500)
+    bodies = seeds + [mutant for seed in seeds for mutant in mutants(seed, 4)]
     contexts = draw_examples(HOSTILE_CONTEXTS, 10)
     oversized = [b"\x00" * (MAX_PUSH_REG_BYTES + 1),
                  msgspec.msgpack.encode({"request_id": "x" * (2 * MAX_PUSH_REG_BYTES)})]
@@ -559,7 +598,7 @@ def test_push_reg_fuzz_through_real_nixl(rig: Rig) -> None:
         problem[0].value for n in notifs if (problem := push_reg_problem(n)) is not None)
     assert len(expected) >= 5, expected  # every rejection reason was tried (bar processing_failed)
     n_bad = sum(expected.values())
-    assert n_bad >= 1500
+    assert n_bad >= 1500, expected
 
     rig.drop_stats("P")
     h["P"].call("logged", PUSH_LOG)
@@ -575,7 +614,13 @@ def test_push_reg_fuzz_through_real_nixl(rig: Rig) -> None:
             d_blocks = h["D"].allocate(2)
             h["D"].call("register_as", d_id, d_blocks, h["P"].address, p_id, {PUSH_REG_TRACE_KEY: ctx})
             h["P"].call("finish", p_id, p_blocks, 30.0)
-            res = rig.results("D", lambda r, d_id=d_id: d_id in r["finished_recving"])
+            try:
+                res = rig.results("D", lambda r, d_id=d_id: d_id in r["finished_recving"])
+            except TimeoutError as exc:
+                raise AssertionError(
+                    f"good request lost after fuzz batch {i} (context {ctx!r:.200}); P holds "
+                    f"{len(h['P'].call('pending_registrations'))} pending registrations, "
+                    f"P's results: {h['P'].call('results')}") from exc
             assert d_id not in res["failed_recving"]
             assert rig.same_bytes("P", p_blocks, "D", d_blocks)
         want = sum(1 for b in batches[: i + 1] for n in b if push_reg_problem(n) is not None)
