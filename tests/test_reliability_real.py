@@ -44,7 +44,8 @@ from harness.config import EngineSpec
 from harness.runner import EngineHandle, free_port
 from tests.conftest import handshakes
 
-pytestmark = pytest.mark.real
+# Engine start-up on a loaded 2-core machine can take many minutes (the fixture pays it once).
+pytestmark = [pytest.mark.real, pytest.mark.timeout(1800)]
 
 NUM_BLOCKS = 512
 TIMEOUT_MS = 2500  # side-channel timeout of P and D
