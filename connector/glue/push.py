@@ -139,6 +139,8 @@ class PushFlow:
     # ------------------------------------------------------------ the push
     def _do_start_push_kv(self, request_id: str, local_block_ids: Any,
                           registration_data: dict[str, Any]) -> None:
+        if self._lease_gone(request_id):
+            return
         span = None
         if self._spans.enabled:
             span = self._write_spans.get(request_id)
@@ -183,6 +185,23 @@ class PushFlow:
                 span.set_attribute(Attr.HANDSHAKE_WAIT, waited)
         except Exception as exc:
             errors.note(TelemetryError.SPAN, exc)
+
+    def _lease_gone(self, request_id: str) -> bool:
+        """True (and the push counted failed) when the request's KV lease already ended.
+
+        A push deferred behind a slow P->D handshake comes back here after the
+        handshake; by then vLLM may have reported the lease expired and freed the
+        blocks for another request. Upstream still WRITEs them: D would then get
+        another request's KV and decode from it without any error.
+        """
+        with self._push_lock:
+            gone = request_id in self._lease_expired
+        if gone:
+            logger.warning("Not pushing request %s: its KV lease expired before the WRITE "
+                           "could start (its blocks may already hold another request)", request_id)
+            self._mark_push_failed(request_id, "lease_expired",
+                                   "KV lease ended before the WRITE could start")
+        return gone
 
     def _xfer_blocks_for_req(self, req_id: str, meta: ReqMeta) -> None:
         try:

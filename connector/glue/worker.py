@@ -77,6 +77,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnector
         self._push_lock = threading.Lock()
         self._pushing = BoundedIdSet()  # P: WRITEs posted, not yet reported done
         self._push_failed = BoundedIdSet()
+        self._lease_expired = BoundedIdSet()  # P: reported done without a WRITE
         self._retry_policy = RetryPolicy.from_extra_config(extra)
         # P: start the P->D handshake when D's PUSH_REG arrives (see push.py).
         self._early_p_to_d = str(extra("early_p_to_d_handshake", True)).lower() not in ("false", "0")
@@ -154,6 +155,8 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnector
                 failed = req_id in self._push_failed
                 self._pushing.discard(req_id)
                 self._push_failed.discard(req_id)
+                if not pushed:
+                    self._lease_expired.add(req_id)
             span = self._write_spans.pop(req_id)
             if pushed and not failed:
                 self.xfer_stats.record_push(StatKey.PUSHES_COMPLETED)

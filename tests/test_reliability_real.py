@@ -1,0 +1,642 @@
+"""Faults and bad input, each tried on real engines (real NIXL/UCX, real ZMQ side channels).
+
+One rig of four engine processes is shared by every case (starting engines is the
+expensive part): P (prefill, fork, handshake retries on), D (decode, retries on),
+E (decode, retries off, long timeout: the hung-handshake and no-retry cases) and K
+(a prefill engine the tests kill). Side-channel faults are made by ZMQ proxies put
+between a worker and a real peer's side channel (the peer's engine id stays the
+real one, so every check of the real handshake still runs). Each case asserts what
+a user sees: the request outcome, the stats that reach /metrics (through a
+vLLM-like front end), the spans and the log lines, and that the engine keeps
+serving other peers afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from connector.glue.push import push_reg_problem
+from connector.vocabulary import (
+    MAX_PUSH_REG_BYTES,
+    PUSH_REG_TRACE_KEY,
+    SPAN_HANDSHAKE,
+    SPAN_PUSH_REGISTER,
+    SPAN_PUSH_WRITE,
+    Attr,
+    StatKey,
+)
+from harness import PushHarness
+from harness.config import EngineSpec
+from harness.runner import EngineHandle, free_port
+from tests.conftest import handshakes
+
+# Engine start-up on a loaded 2-core machine can take many minutes (the fixture pays it once).
+pytestmark = [pytest.mark.real, pytest.mark.timeout(1800)]
+
+NUM_BLOCKS = 512
+TIMEOUT_MS = 2500  # side-channel timeout of P and D
+E_TIMEOUT_MS = 4000  # E: long enough to watch a hung handshake on the gauge
+RETRYING = {"handshake_timeout_ms": TIMEOUT_MS, "handshake_retries": 3,
+            "handshake_retry_backoff_s": 0.1, "handshake_retry_budget_s": 20}
+NO_RETRY = {"handshake_timeout_ms": E_TIMEOUT_MS, "handshake_retries": 0}
+PUSH_LOG = "connector.glue.push"
+START_TIMEOUT_S = 600.0
+
+
+# ------------------------------------------------------------------ side-channel fakes
+class SideChannelProxy:
+    """A ZMQ ROUTER between a worker and a real side channel.
+
+    It stays silent for the first `silent_first` requests (the peer's engine is busy),
+    then forwards each request to `upstream_port` and relays the reply; with
+    `reply` set it answers every request with those frames instead (garbage).
+    """
+
+    def __init__(self, upstream_port: int | None = None, silent_first: int = 0,
+                 reply: list[bytes] | None = None):
+        self.port = free_port()
+        self.upstream_port = upstream_port
+        self.silent_first = silent_first
+        self.reply = reply
+        self.requests = 0
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"tcp://127.0.0.1:{self.port}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> dict[str, Any]:
+        return {"host": "127.0.0.1", "port": self.port}
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(20):
+                continue
+            identity, _empty, msg = self._sock.recv_multipart()
+            self.requests += 1
+            if self.reply is not None:
+                self._sock.send_multipart([identity, b"", *self.reply])
+            elif self.requests > self.silent_first and self.upstream_port is not None:
+                self._sock.send_multipart([identity, b"", *self._forward(msg)])
+
+    def _forward(self, msg: bytes) -> list[bytes]:
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        try:
+            sock.connect(f"tcp://127.0.0.1:{self.upstream_port}")
+            sock.send(msg)
+            return sock.recv_multipart()
+        finally:
+            sock.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+# ------------------------------------------------------------------------ the rig
+class Rig:
+    """The shared engines plus helpers for one request at a time."""
+
+    def __init__(self, h: PushHarness):
+        self.h = h
+        self.proxies: list[SideChannelProxy] = []
+
+    def proxy(self, **kwargs: Any) -> SideChannelProxy:
+        proxy = SideChannelProxy(**kwargs)
+        self.proxies.append(proxy)
+        return proxy
+
+    def close(self) -> None:
+        for proxy in self.proxies:
+            proxy.close()
+
+    @staticmethod
+    def ids() -> tuple[str, str]:
+        """P's and D's request ids of one request (same base, vLLM's random suffixes)."""
+        base = f"cmpl-{secrets.token_hex(6)}"
+        return f"{base}-{secrets.token_hex(4)}", f"{base}-{secrets.token_hex(4)}"
+
+    def prefill(self, p: str, blocks: int = 2) -> tuple[str, list[int]]:
+        """Blocks on prefill engine `p` filled with fresh data."""
+        ids = self.h[p].allocate(blocks)
+        self.h[p].call("fill", ids, int.from_bytes(secrets.token_bytes(4), "little"))
+        return p, ids
+
+    def results(self, engine: str, until: Callable[[dict], bool], timeout_s: float = 60.0) -> dict:
+        return self.h.wait_for(engine, until, command="results", timeout_s=timeout_s)
+
+    def same_bytes(self, p: str, p_blocks: list[int], d: str, d_blocks: list[int]) -> bool:
+        return self.h[p].call("digest", p_blocks) == self.h[d].call("digest", d_blocks)
+
+    def pristine(self, d: str, d_blocks: list[int]) -> bool:
+        """No byte of these blocks of `d` was written."""
+        others = [b for b in range(NUM_BLOCKS) if b not in set(d_blocks)]
+        return self.h[d].call("untouched", others) == []
+
+    def collect(self, engine: str, until: Callable[[list[dict]], bool],
+                timeout_s: float = 60.0) -> list[dict]:
+        """Stats dicts of `engine` until `until(collected)` holds (polled)."""
+        out: list[dict] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out.extend(self.h.stats(engine))
+            if until(out):
+                return out
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{engine}: stats never satisfied the condition: {summary(out)}")
+            time.sleep(0.02)  # poll interval, not a synchronisation
+
+    def drop_stats(self, *engines: str) -> None:
+        for engine in engines:
+            self.h.stats(engine)
+
+    def spans(self, engine: str) -> list[dict]:
+        return self.h[engine].call("spans")
+
+    def serves(self, p: str, d: str) -> None:
+        """`p` still pushes to `d`: one request, bytes verified."""
+        report = self.h.push(1, prefill=p, decode=d, heartbeat=False)
+        # (Not report.ok: its check of D's other blocks does not know the blocks the
+        # fault cases wrote on purpose.)
+        assert report.verified == 1 and not report.failed and not report.mismatched, report
+
+
+def count(stats: list[dict], key: str) -> int:
+    return sum(len(s.get(key, [])) for s in stats)
+
+
+def values(stats: list[dict], key: str) -> list[Any]:
+    return [v for s in stats for v in s.get(key, [])]
+
+
+def summary(stats: list[dict]) -> dict[str, Any]:
+    """Non-empty keys of a list of stats dicts (for failure messages)."""
+    out: dict[str, Any] = collections.defaultdict(list)
+    for s in stats:
+        for k, v in s.items():
+            if v:
+                out[k].extend(v if isinstance(v, list) else [v])
+    return {k: (v if len(v) < 20 else f"{len(v)} items") for k, v in out.items()}
+
+
+def observed(h: PushHarness, engine: str, stats: list[dict]) -> Any:
+    fe = h.frontend(engine)
+    fe.observe(stats)
+    return fe
+
+
+def handshake_spans(spans: list[dict], remote_engine_id: str) -> list[dict]:
+    return sorted((s for s in spans if s["name"] == SPAN_HANDSHAKE
+                   and s["attributes"].get(Attr.REMOTE_ENGINE_ID) == remote_engine_id),
+                  key=lambda s: s["start"])
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    work = str(tmp_path_factory.mktemp("relreal"))
+    common = dict(num_layers=2, num_blocks=NUM_BLOCKS, block_size=32, workdir=work)
+    run = secrets.token_hex(3)
+    specs = [
+        EngineSpec(name="P", engine_id=f"prefill-{run}", kv_role="kv_producer",
+                   side_channel_port=free_port(), extra_config=RETRYING, tracing="memory", **common),
+        EngineSpec(name="D", engine_id=f"decode-{run}", kv_role="kv_consumer",
+                   side_channel_port=free_port(), extra_config=RETRYING, tracing="memory", **common),
+        EngineSpec(name="E", engine_id=f"decode-e-{run}", kv_role="kv_consumer",
+                   side_channel_port=free_port(), extra_config=NO_RETRY, tracing="memory", **common),
+        EngineSpec(name="K", engine_id=f"prefill-k-{run}", kv_role="kv_producer",
+                   side_channel_port=free_port(), extra_config=RETRYING, **common),
+    ]
+    h = PushHarness(specs)
+    try:
+        # Four engines start at once; on a busy 2-core machine that can take minutes.
+        for name, spec in h.specs.items():
+            h.engines[name] = EngineHandle(spec)
+        for handle in h.engines.values():
+            handle.wait_ready(timeout=START_TIMEOUT_S)
+        r = Rig(h)
+        try:
+            for name in "PDE":
+                h[name].call("watch_log", PUSH_LOG)
+            # Connect P<->D and P<->E once, the normal way.
+            for d in "DE":
+                r.serves("P", d)
+            yield r
+        finally:
+            r.close()
+            k = h["K"].process
+            if k.is_alive():
+                os.kill(k.pid, signal.SIGCONT)
+    finally:
+        h.stop()
+
+
+# ------------------------------------------------------------ 1. retry on a stall
+def test_d_to_p_handshake_retry_rides_out_a_stalled_side_channel(rig: Rig) -> None:
+    h, p_addr = rig.h, rig.h["P"].address
+    proxy = rig.proxy(upstream_port=p_addr["port"], silent_first=1)
+    h["D"].call("forget", p_addr["engine_id"])
+    rig.drop_stats("D")
+    p_id, d_id = rig.ids()
+    _, p_blocks = rig.prefill("P")
+    d_blocks = h["D"].allocate(2)
+    h["D"].call("register", d_id, d_blocks, {**p_addr, **proxy.address}, p_id, False)
+    h["P"].call("finish", p_id, p_blocks, 30.0)
+
+    res = rig.results("D", lambda r: d_id in r["finished_recving"])
+    assert d_id not in res["failed_recving"]
+    assert rig.same_bytes("P", p_blocks, "D", d_blocks)
+    stats = rig.collect("D", lambda s: len(handshakes(s)) >= 2)
+    hs = [(x["attempt"], x["outcome"], x["error_type"], x["failed_phase"]) for x in handshakes(stats)]
+    assert hs == [(1, "failure", "timeout", "metadata_fetch"), (2, "success", None, None)]
+    assert values(stats, StatKey.HANDSHAKE_RETRIES) == ["d_to_p"]
+    assert proxy.requests == 2
+    fe = observed(h, "D", stats)
+    assert fe.sample("vllm:nixl_handshake_retries_total", {"direction": "d_to_p"}) == 1
+    assert fe.sample("vllm:nixl_handshake_phase_failures_total", {
+        "direction": "d_to_p", "phase": "metadata_fetch", "error_type": "timeout"}) == 1
+    spans = handshake_spans(rig.spans("D"), p_addr["engine_id"])[-2:]
+    assert [(s["status"], s["attributes"][Attr.ATTEMPT]) for s in spans] == [("ERROR", 1), ("UNSET", 2)]
+    assert spans[0]["attributes"][Attr.ERROR_TYPE] == "timeout"
+
+
+def test_p_to_d_handshake_retry_rides_out_a_stalled_side_channel(rig: Rig) -> None:
+    h, d_addr = rig.h, rig.h["D"].address
+    proxy = rig.proxy(upstream_port=d_addr["port"], silent_first=1)
+    h["P"].call("forget", d_addr["engine_id"])
+    rig.drop_stats("P")
+    p_id, d_id = rig.ids()
+    _, p_blocks = rig.prefill("P")
+    d_blocks = h["D"].allocate(2)
+    # D's PUSH_REG tells P where D's side channel is: point it at the proxy.
+    h["D"].call("register_as", d_id, d_blocks, h["P"].address, p_id,
+                {"decode_port": proxy.port})
+    h["P"].call("finish", p_id, p_blocks, 30.0)
+
+    res = rig.results("D", lambda r: d_id in r["finished_recving"])
+    assert d_id not in res["failed_recving"]
+    assert rig.same_bytes("P", p_blocks, "D", d_blocks)
+    stats = rig.collect("P", lambda s: len(handshakes(s)) >= 2
+                        and count(s, StatKey.PUSHES_COMPLETED) >= 1)
+    hs = [(x["direction"], x["attempt"], x["outcome"], x["error_type"]) for x in handshakes(stats)]
+    assert hs == [("p_to_d", 1, "failure", "timeout"), ("p_to_d", 2, "success", None)]
+    assert values(stats, StatKey.HANDSHAKE_RETRIES) == ["p_to_d"]
+    assert count(stats, StatKey.PUSHES_FAILED) == 0
+    assert proxy.requests == 2
+
+
+# ------------------------------------- 1b + 2. no retries: a hung handshake, watched
+def test_hung_handshake_shows_on_the_gauge_then_fails_cleanly_without_retries(rig: Rig) -> None:
+    h, p_addr = rig.h, rig.h["P"].address
+    proxy = rig.proxy(upstream_port=p_addr["port"], silent_first=10**9)  # never answers
+    h["E"].call("forget", p_addr["engine_id"])
+    rig.drop_stats("E")
+    _, d_id = rig.ids()
+    h["E"].call("register", d_id, h["E"].allocate(1), {**p_addr, **proxy.address}, "p-hung", False)
+
+    def snapshots(stats: list[dict]) -> list[dict]:
+        return [snap for s in stats for snap in s.get(StatKey.IN_FLIGHT, [])]
+
+    def growing(stats: list[dict]) -> bool:
+        open_ = [snap["d_to_p|true"] for snap in snapshots(stats) if snap]
+        return len(open_) >= 2 and open_[-1][1] > open_[0][1]
+
+    hanging = rig.collect("E", growing)
+    open_ = [snap["d_to_p|true"] for snap in snapshots(hanging) if snap]
+    assert all(n == 1 for n, _age in open_)
+    fe = observed(h, "E", hanging)
+    assert fe.sample("vllm:nixl_handshakes_in_flight",
+                     {"direction": "d_to_p", "notif_agents_only": "true"}) == 1
+    assert fe.sample("vllm:nixl_handshake_oldest_in_flight_seconds", {"direction": "d_to_p"}) > 0
+    assert handshakes(hanging) == []  # not counted until it ends
+
+    res = rig.results("E", lambda r: d_id in r["failed_recving"])
+    assert d_id in res["finished_recving"]
+    after = rig.collect("E", lambda s: len(handshakes(s)) >= 1 and snapshots(s)
+                        and snapshots(s)[-1] == {})
+    fe.observe(after)
+    assert fe.sample("vllm:nixl_handshakes_in_flight",
+                     {"direction": "d_to_p", "notif_agents_only": "true"}) == 0
+    assert fe.sample("vllm:nixl_handshake_oldest_in_flight_seconds", {"direction": "d_to_p"}) == 0
+    [hs] = handshakes(after)
+    assert (hs["outcome"], hs["error_type"], hs["failed_phase"]) == ("failure", "timeout", "metadata_fetch")
+    assert count(after, StatKey.HANDSHAKE_RETRIES) == 0
+    assert proxy.requests == 1
+    [span] = handshake_spans(rig.spans("E"), p_addr["engine_id"])[-1:]
+    assert span["status"] == "ERROR" and span["attributes"][Attr.ERROR_TYPE] == "timeout"
+    assert f"within {E_TIMEOUT_MS} ms" in span["status_description"]
+    rig.serves("P", "E")
+
+
+# ----------------------------------------------------------- 3. side-channel faults
+def test_garbage_from_the_side_channel_fails_fast_without_retry(rig: Rig) -> None:
+    h = rig.h
+    garbage = b"\xc1 this is not msgpack \xff" + secrets.token_bytes(64)
+    proxy = rig.proxy(reply=[garbage, msgspec.msgpack.encode(time.perf_counter())])
+    rig.drop_stats("D")
+    _, d_id = rig.ids()
+    target = {"engine_id": "garbage-prefill", **proxy.address}
+    h["D"].call("register", d_id, h["D"].allocate(1), target, "p-garbage", False)
+    res = rig.results("D", lambda r: d_id in r["failed_recving"], timeout_s=30)
+    assert d_id in res["finished_recving"]
+    stats = rig.collect("D", lambda s: len(handshakes(s)) >= 1)
+    [hs] = handshakes(stats)
+    assert (hs["error_type"], hs["failed_phase"]) == ("decode_error", "metadata_decode")
+    assert count(stats, StatKey.HANDSHAKE_RETRIES) == 0  # not transient: no retry
+    assert proxy.requests == 1
+    fe = observed(h, "D", stats)
+    assert fe.sample("vllm:nixl_handshake_phase_failures_total", {
+        "direction": "d_to_p", "phase": "metadata_decode", "error_type": "decode_error"}) == 1
+    [span] = handshake_spans(rig.spans("D"), "garbage-prefill")
+    assert span["status"] == "ERROR" and span["attributes"][Attr.ERROR_TYPE] == "decode_error"
+    rig.serves("P", "D")
+
+
+def test_prefill_killed_mid_handshake_and_push_reg_that_cannot_be_sent(rig: Rig) -> None:
+    """K dies while E waits for its side channel; D, connected to K before, then
+    cannot send its PUSH_REG to K's agent. Both count the failure once and go on."""
+    h, k_addr = rig.h, rig.h["K"].address
+    k_pid = h["K"].info["pid"]
+    h["D"].call("heartbeat", k_addr, "p-hb-k")  # D reaches K (notification-only)
+    h.wait_for("D", lambda c: k_addr["engine_id"] in c["remote_agents"])
+    h["D"].call("stop_heartbeats")
+    rig.drop_stats("D", "E")
+
+    os.kill(k_pid, signal.SIGSTOP)  # K's kernel still accepts; K never answers
+    try:
+        _, e_id = rig.ids()
+        h["E"].call("register", e_id, h["E"].allocate(1), k_addr, "p-killed", False)
+
+        def waiting(stats: list[dict]) -> bool:
+            snaps = [x for s in stats for x in s.get(StatKey.IN_FLIGHT, []) if x]
+            return bool(snaps) and snaps[-1]["d_to_p|true"][1] > 0.3
+
+        e_stats = rig.collect("E", waiting)  # E is connected and waiting on K
+        os.kill(k_pid, signal.SIGKILL)
+    finally:
+        os.kill(k_pid, signal.SIGCONT)
+    h["K"].process.join(10)
+    assert not h["K"].process.is_alive()
+
+    res = rig.results("E", lambda r: e_id in r["failed_recving"], timeout_s=30)
+    assert e_id in res["finished_recving"]
+    e_stats += rig.collect("E", lambda s: len(handshakes(s)) >= 1)
+    [hs] = handshakes(e_stats)
+    assert (hs["outcome"], hs["error_type"], hs["failed_phase"]) == ("failure", "timeout", "metadata_fetch")
+    fe = observed(h, "E", e_stats)
+    assert fe.sample("vllm:nixl_handshake_phase_failures_total", {
+        "direction": "d_to_p", "phase": "metadata_fetch", "error_type": "timeout"}) == 1
+    [span] = handshake_spans(rig.spans("E"), k_addr["engine_id"])
+    assert span["status"] == "ERROR" and span["attributes"][Attr.ERROR_TYPE] == "timeout"
+    rig.serves("P", "E")
+
+    # D still holds K's agent: its PUSH_REG cannot be delivered.
+    _, d_id = rig.ids()
+    h["D"].call("register", d_id, h["D"].allocate(1), k_addr, "p-dead", False)
+    d_stats = rig.collect("D", lambda s: count(s, StatKey.PUSH_REG_FAILED) >= 1)
+    assert count(d_stats, StatKey.PUSH_REG_SENT) == 0
+    fe = observed(h, "D", d_stats)
+    assert fe.sample("vllm:nixl_push_reg_notifs_total", {"outcome": "failed"}) == 1
+    assert fe.sample("vllm:nixl_num_failed_notifications_total") == 1
+    [reg] = [s for s in rig.spans("D") if s["name"] == SPAN_PUSH_REGISTER
+             and s["attributes"][Attr.REQUEST_ID] == d_id]
+    assert reg["status"] == "ERROR" and reg["attributes"][Attr.ERROR_TYPE] == "push_reg_notif_failed"
+    rig.serves("P", "D")
+
+
+# -------------------------------------------------------------------- 4. P side
+def test_lease_expires_without_a_registration(rig: Rig) -> None:
+    h = rig.h
+    rig.drop_stats("P")
+    p_id, _ = rig.ids()
+    _, p_blocks = rig.prefill("P", 1)
+    h["P"].call("finish", p_id, p_blocks, 0.3)
+    rig.results("P", lambda r: p_id in r["finished_sending"])
+    stats = rig.collect("P", lambda s: count(s, "num_kv_expired_reqs") >= 1)
+    fe = observed(h, "P", stats)
+    assert fe.sample("vllm:nixl_num_kv_expired_reqs_total") == 1
+    for outcome in ("started", "completed", "failed"):  # no push ever started
+        assert fe.sample("vllm:nixl_pushes_total", {"outcome": outcome}) == 0
+    rig.serves("P", "E")
+
+
+def test_lease_expires_before_the_write_then_no_write(rig: Rig) -> None:
+    """P's handshake to D stalls past the request's lease: P must not WRITE blocks
+    it has already given back (vLLM frees them at expiry and may reuse them)."""
+    h, d_addr = rig.h, rig.h["D"].address
+    proxy = rig.proxy(upstream_port=d_addr["port"], silent_first=1)
+    h["P"].call("forget", d_addr["engine_id"])
+    rig.drop_stats("P")
+    p_id, d_id = rig.ids()
+    _, p_blocks = rig.prefill("P")
+    d_blocks = h["D"].allocate(2)
+    h["D"].call("register_as", d_id, d_blocks, h["P"].address, p_id, {"decode_port": proxy.port})
+    h["P"].call("finish", p_id, p_blocks, 0.5)  # shorter than one handshake timeout
+
+    stats = rig.collect("P", lambda s: len(handshakes(s)) >= 2 and count(s, StatKey.PUSHES_FAILED) >= 1)
+    assert [x["outcome"] for x in handshakes(stats)] == ["failure", "success"]  # D reached at last
+    fe = observed(h, "P", stats)
+    assert fe.sample("vllm:nixl_num_kv_expired_reqs_total") == 1
+    assert fe.sample("vllm:nixl_pushes_total", {"outcome": "failed"}) == 1
+    assert fe.sample("vllm:nixl_pushes_total", {"outcome": "started"}) == 0
+    assert rig.pristine("D", d_blocks)
+    [write] = [s for s in rig.spans("P") if s["name"] == SPAN_PUSH_WRITE
+               and s["attributes"][Attr.REQUEST_ID] == p_id]
+    assert write["status"] == "ERROR" and write["attributes"][Attr.ERROR_TYPE] == "lease_expired"
+    assert any(p_id in line and "lease" in line for line in h["P"].call("logged", PUSH_LOG))
+    rig.serves("P", "E")
+    rig.serves("P", "D")
+
+
+@pytest.mark.parametrize("bad_block", [NUM_BLOCKS, 10**6])
+def test_write_to_blocks_outside_d_fails_once_and_writes_nothing(rig: Rig, bad_block: int) -> None:
+    """D's registration names a block D does not have: no WRITE lands anywhere in D."""
+    h = rig.h
+    rig.drop_stats("P")
+    p_id, d_id = rig.ids()
+    _, p_blocks = rig.prefill("P", 1)
+    before = h["D"].call("digest", list(range(NUM_BLOCKS)))
+    h["D"].call("register_as", d_id, [1], h["P"].address, p_id, {"local_block_ids": ([bad_block],)})
+    h["P"].call("finish", p_id, p_blocks, 30.0)
+    stats = rig.collect("P", lambda s: count(s, StatKey.PUSHES_FAILED) >= 1)
+    fe = observed(h, "P", stats)
+    assert fe.sample("vllm:nixl_pushes_total", {"outcome": "failed"}) == 1
+    assert fe.sample("vllm:nixl_pushes_total", {"outcome": "completed"}) == 0
+    assert h["D"].call("digest", list(range(NUM_BLOCKS))) == before
+    [write] = [s for s in rig.spans("P") if s["name"] == SPAN_PUSH_WRITE
+               and s["attributes"][Attr.REQUEST_ID] == p_id]
+    assert write["status"] == "ERROR"
+    assert write["attributes"][Attr.ERROR_TYPE] == "transfer_setup_failed"
+    rig.serves("P", "E")
+    rig.serves("P", "D")
+
+
+# ------------------------------------------------------------ 5. PUSH_REG fuzz
+PREFIX = b"PUSH_REG:"
+_ints = st.integers(min_value=-(2**63), max_value=2**64 - 1)  # what msgpack can carry
+_scalars = (st.none() | st.booleans() | _ints | st.floats() | st.text(max_size=24)
+            | st.binary(max_size=24))
+_anything = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=12) | _ints, inner, max_size=4),
+    max_leaves=12)
+def fuzz_bodies(decoder: dict[str, Any]) -> st.SearchStrategy[bytes]:
+    """PUSH_REG payloads (after the prefix), mostly malformed.
+
+    The well-formed ones name the real decoder P is already connected to: P keeps
+    them pending (nothing matches), and they start no handshake.
+    """
+    good_reg = st.fixed_dictionaries({
+        "request_id": st.text(max_size=40).map(lambda t: "fuzz-" + t),
+        "decode_engine_id": st.just(decoder["engine_id"]),
+        "decode_host": st.just(decoder["host"]),
+        "decode_port": st.just(decoder["port"]),
+        "decode_tp_size": st.just(1),
+        "local_block_ids": st.lists(st.lists(st.integers(0, 10**6), max_size=8), min_size=1,
+                                    max_size=2),
+        "remote_engine_id": st.text(max_size=20),
+    }, optional={PUSH_REG_TRACE_KEY: _anything})
+
+    @st.composite
+    def mutated(draw: st.DrawFn) -> dict[str, Any]:
+        reg = draw(good_reg)
+        field = draw(st.sampled_from(sorted(reg)))
+        if draw(st.booleans()):
+            del reg[field]
+        else:
+            reg[field] = draw(_anything)
+        return reg
+
+    @st.composite
+    def truncated(draw: st.DrawFn) -> bytes:
+        body = msgspec.msgpack.encode(draw(good_reg))
+        return body[:draw(st.integers(0, len(body) - 1))]
+
+    return st.one_of(
+        st.binary(max_size=256),  # not msgpack at all (mostly)
+        st.builds(msgspec.msgpack.encode, _anything),  # a non-map, or a map without our fields
+        st.builds(msgspec.msgpack.encode, mutated()),  # a field missing or of the wrong type
+        truncated(),  # cut short
+        st.builds(msgspec.msgpack.encode, good_reg),  # well-formed, matches nothing
+    )
+
+
+HOSTILE_CONTEXTS = st.one_of(
+    _anything,
+    st.fixed_dictionaries({"traceparent": st.text(max_size=200) | _anything}),
+    st.just({"traceparent": "00-" + "f" * 32 + "-" + "f" * 16 + "-01", "tracestate": "x" * 5000}),
+    st.just({"traceparent": "x" * 100_000}),
+)
+
+
+def mutants(body: bytes, n: int) -> list[bytes]:
+    """`n` cheap byte-level variants of one payload (a flipped byte, cut short,
+    garbage appended, a byte dropped), deterministic per payload."""
+    rnd = random.Random(body)
+    out = []
+    for i in range(n):
+        b = bytearray(body or b"\x00")
+        pos = rnd.randrange(len(b))
+        if i % 4 == 0:
+            b[pos] ^= 1 << rnd.randrange(8)
+        elif i % 4 == 1:
+            del b[pos:]
+        elif i % 4 == 2:
+            b += rnd.randbytes(rnd.randrange(1, 16))
+        else:
+            del b[pos]
+        out.append(bytes(b))
+    return out
+
+
+def draw_examples(strategy: st.SearchStrategy, n: int) -> list[Any]:
+    """`n` examples from a strategy (Hypothesis as the generator; no shrinking needed:
+    the oracle below classifies every payload)."""
+    out: list[Any] = []
+
+    @settings(max_examples=n, database=None, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @given(strategy)
+    def collect(example: Any) -> None:
+        out.append(example)
+
+    collect()
+    return out
+
+
+def test_push_reg_fuzz_through_real_nixl(rig: Rig) -> None:
+    """Thousands of malformed PUSH_REGs from D's real NIXL agent into P's writer, in
+    batches with good pushes (carrying hostile trace contexts) in between."""
+    h, p_eid = rig.h, rig.h["P"].address["engine_id"]
+    seeds = draw_examples(fuzz_bodies(h["D"].address), 500)
+    bodies = seeds + [mutant for seed in seeds for mutant in mutants(seed, 4)]
+    contexts = draw_examples(HOSTILE_CONTEXTS, 10)
+    oversized = [b"\x00" * (MAX_PUSH_REG_BYTES + 1),
+                 msgspec.msgpack.encode({"request_id": "x" * (2 * MAX_PUSH_REG_BYTES)})]
+    notifs = [PREFIX + b for b in bodies] + [PREFIX + b for b in oversized]
+    expected = collections.Counter(
+        problem[0].value for n in notifs if (problem := push_reg_problem(n)) is not None)
+    assert len(expected) >= 5, expected  # every rejection reason was tried (bar processing_failed)
+    n_bad = sum(expected.values())
+    assert n_bad >= 1500, expected
+
+    rig.drop_stats("P")
+    h["P"].call("logged", PUSH_LOG)
+    batches = [notifs[i::5] for i in range(5)]
+    rejected: list[str] = []
+    p_stats: list[dict] = []
+    for i, batch in enumerate(batches):
+        assert h["D"].call("send_notifs", p_eid, batch, timeout=120) == len(batch)
+        # Good requests right behind the bad ones, with hostile trace contexts.
+        for ctx in contexts[2 * i:2 * i + 2]:
+            p_id, d_id = rig.ids()
+            _, p_blocks = rig.prefill("P")
+            d_blocks = h["D"].allocate(2)
+            h["D"].call("register_as", d_id, d_blocks, h["P"].address, p_id, {PUSH_REG_TRACE_KEY: ctx})
+            h["P"].call("finish", p_id, p_blocks, 30.0)
+            try:
+                res = rig.results("D", lambda r, d_id=d_id: d_id in r["finished_recving"])
+            except TimeoutError as exc:
+                raise AssertionError(
+                    f"good request lost after fuzz batch {i} (context {ctx!r:.200}); P holds "
+                    f"{len(h['P'].call('pending_registrations'))} pending registrations, "
+                    f"P's results: {h['P'].call('results')}") from exc
+            assert d_id not in res["failed_recving"]
+            assert rig.same_bytes("P", p_blocks, "D", d_blocks)
+        want = sum(1 for b in batches[: i + 1] for n in b if push_reg_problem(n) is not None)
+        seen = len(rejected)
+        p_stats += rig.collect(
+            "P", lambda s, want=want, seen=seen: seen + count(s, StatKey.PUSH_REG_REJECTED) >= want)
+        rejected = values(p_stats, StatKey.PUSH_REG_REJECTED)
+
+    assert collections.Counter(rejected) == expected  # each bad one counted once, by reason
+    assert count(p_stats, StatKey.PUSHES_COMPLETED) == len(contexts)
+    assert count(p_stats, StatKey.PUSHES_FAILED) == 0
+    fe = observed(h, "P", p_stats)
+    for reason, n in expected.items():
+        assert fe.sample("vllm:nixl_push_reg_rejected_total", {"reason": reason}) == n
+    logged = [line for line in h["P"].call("logged", PUSH_LOG) if line.startswith("Dropped a PUSH_REG")]
+    assert len(logged) == n_bad
+    assert collections.Counter(line.split("(", 1)[1].split(":", 1)[0] for line in logged) == expected
+    rig.serves("P", "E")
