@@ -171,8 +171,9 @@ class HandshakeFlow:
 
     def _publish_handshake(self, record: HandshakeRecord) -> None:
         try:
-            self.xfer_stats.record_handshake(record)
+            # Spans first: the stats record carries their ids as exemplars.
             self._spans.emit_handshake(record)
+            self.xfer_stats.record_handshake(record)
         except Exception:
             logger.debug("handshake telemetry dropped", exc_info=True)
 

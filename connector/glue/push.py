@@ -1,8 +1,9 @@
 """P-side flow: a matched PUSH_REG until the WRITE completed, observed.
 
 Wrappers at the boundary of vLLM's push worker: they open the request's write span
-under the trace context the PUSH_REG carried, tag the P->D handshake a WRITE starts,
-and count pushes started and failed.
+under the trace context the PUSH_REG carried (linked to the context P's own request
+arrived with, which our scheduler passes in the step metadata), tag the P->D
+handshake a WRITE starts, and count pushes started and failed.
 """
 
 from __future__ import annotations
@@ -11,12 +12,24 @@ import logging
 from typing import Any
 
 from opentelemetry.trace import SpanKind
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import ReqMeta
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+    ReqMeta,
+)
 
 from connector.glue.receive import count_blocks
 from connector.telemetry.span_table import MAX_TRACKED_REQUESTS
-from connector.telemetry.tracing import SpanEmitter, activated, extract_context
-from connector.vocabulary import PUSH_REG_TRACE_KEY, SPAN_PUSH_WRITE, Attr, StatKey, Trigger
+from connector.telemetry.tracing import SpanEmitter, activated, context_link, extract_context
+from connector.vocabulary import (
+    METADATA_TRACE_ATTR,
+    PUSH_REG_TRACE_KEY,
+    REGISTRATION_TRACE_KEY,
+    SPAN_PUSH_WRITE,
+    Attr,
+    LinkRole,
+    StatKey,
+    Trigger,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +37,44 @@ logger = logging.getLogger(__name__)
 class PushFlow:
     """Mixin for `NixlPushConnectorWorker`: the prefill side of a push."""
 
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        if self._spans.enabled:
+            contexts = getattr(metadata, METADATA_TRACE_ATTR, None)
+            if contexts:
+                try:
+                    for req_id, carrier in contexts.items():
+                        self._request_contexts.put(req_id, carrier)
+                except Exception:
+                    logger.debug("request trace contexts dropped", exc_info=True)
+        super().start_load_kv(metadata)
+
+    def _write_span_placement(self, request_id: str,
+                              registration_data: dict[str, Any]) -> tuple[Any, list[Any] | None]:
+        """Parent and links of a write span.
+
+        Parent: the D register span the PUSH_REG names (one tree from D's receive
+        down to P's write and the handshakes it starts); else D's request context
+        (a D that does not trace but got one from its scheduler); else P's own
+        request context; else a root. Link: P's own request context, when it is
+        not already the parent.
+        """
+        own = extract_context(self._request_contexts.pop(request_id))
+        parent = (extract_context(registration_data.get(PUSH_REG_TRACE_KEY))
+                  or extract_context(registration_data.get(REGISTRATION_TRACE_KEY)))
+        if parent is None:
+            return own, None
+        link = context_link(own, {Attr.LINK_ROLE: LinkRole.PREFILL_REQUEST.value})
+        return parent, [link] if link is not None else None
+
     def _do_start_push_kv(self, request_id: str, local_block_ids: Any,
                           registration_data: dict[str, Any]) -> None:
         span = None
         if self._spans.enabled:
             span = self._write_spans.get(request_id)
             if span is None:
+                parent, links = self._write_span_placement(request_id, registration_data)
                 span = self._spans.start(
-                    SPAN_PUSH_WRITE,
-                    parent=extract_context(registration_data.get(PUSH_REG_TRACE_KEY)),
+                    SPAN_PUSH_WRITE, parent=parent, links=links,
                     kind=SpanKind.CONSUMER,
                     attributes={Attr.REQUEST_ID: request_id,
                                 Attr.REMOTE_REQUEST_ID: str(registration_data.get("request_id", "")),

@@ -1,8 +1,10 @@
 """D-side flow: the registration handed to the worker, PUSH_REG to P, heartbeats.
 
-Wrappers at the boundary of vLLM's push worker: they open the request's receive and
-register spans, carry the W3C trace context in the PUSH_REG payload, tag handshakes
-a heartbeat or a registration starts, and count PUSH_REG notifications.
+Wrappers at the boundary of vLLM's push worker: they time the whole receive, open
+the request's receive span (child of the request's own trace context, which our
+scheduler puts into the registration) and register span, carry the W3C trace
+context in the PUSH_REG payload, tag handshakes a heartbeat or a registration
+starts, and count PUSH_REG notifications.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
-from connector.telemetry.tracing import SpanEmitter, activated, inject_context
+from connector.telemetry.tracing import SpanEmitter, activated, extract_context, inject_context
 from connector.vocabulary import (
     PUSH_REG_TRACE_KEY,
+    REGISTRATION_TRACE_KEY,
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_REGISTER,
     Attr,
@@ -29,15 +32,28 @@ class ReceiveFlow:
     """Mixin for `NixlPushConnectorWorker`: the decode side of a push."""
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
-        if self._spans.enabled and metadata.push_registrations:
-            for req_id, reg in metadata.push_registrations.items():
+        # (vLLM skips the whole step on these ranks; so do we.)
+        skipped = getattr(self, "pcp_rank", 0) > 0 and not getattr(self, "pcp_dcp_sharded", False)
+        if metadata.push_registrations and not skipped:
+            try:
+                self._start_receives(metadata.push_registrations)
+            except Exception:
+                logger.debug("receive telemetry dropped", exc_info=True)
+        super().start_load_kv(metadata)
+
+    def _start_receives(self, registrations: dict[str, dict[str, Any]]) -> None:
+        for req_id in registrations:
+            self._receive_clock.start(req_id)
+        if self._spans.enabled:
+            for req_id, reg in registrations.items():
+                # The request's own trace (from our scheduler) or, without one, a root.
                 self._receive_spans.put(req_id, self._spans.start(
-                    SPAN_PUSH_RECEIVE, parent=None, kind=SpanKind.CONSUMER,
+                    SPAN_PUSH_RECEIVE, parent=extract_context(reg.get(REGISTRATION_TRACE_KEY)),
+                    kind=SpanKind.CONSUMER,
                     attributes={Attr.REQUEST_ID: req_id,
                                 Attr.LOCAL_ENGINE_ID: self.engine_id,
                                 Attr.REMOTE_ENGINE_ID: str(reg.get("remote_engine_id", "")),
                                 Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
-        super().start_load_kv(metadata)
 
     def _send_heartbeats(self, metadata: NixlConnectorMetadata) -> None:
         with self._triggered_by(Trigger.HEARTBEAT):
@@ -59,7 +75,10 @@ class ReceiveFlow:
             if PUSH_REG_TRACE_KEY not in reg_data:
                 carrier = inject_context(span)
                 if carrier:
-                    reg_data = {**reg_data, PUSH_REG_TRACE_KEY: carrier}
+                    # P parents its write on our register span; the request's own
+                    # context (already our receive span's parent) need not travel.
+                    reg_data = {k: v for k, v in reg_data.items() if k != REGISTRATION_TRACE_KEY}
+                    reg_data[PUSH_REG_TRACE_KEY] = carrier
         with activated(span), self._triggered_by(Trigger.PUSH_REG):
             super()._send_registration_to_p(req_id, reg_data)
 

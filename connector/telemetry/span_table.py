@@ -18,11 +18,16 @@ MAX_TRACKED_REQUESTS = 65536
 
 
 class SpanTable:
-    """Request id -> open span, bounded and thread-safe (main + writer threads)."""
+    """Request id -> open span, bounded and thread-safe (main + writer threads).
 
-    def __init__(self) -> None:
+    With `spans=False` it holds plain values (trace-context carriers): overflow
+    just drops them.
+    """
+
+    def __init__(self, spans: bool = True) -> None:
         self._lock = threading.Lock()
         self._spans: dict[str, Any] = {}
+        self._end_dropped = spans
 
     def put(self, req_id: str, span: Any) -> None:
         if span is None:
@@ -31,8 +36,9 @@ class SpanTable:
             self._spans[req_id] = span
             overflow = len(self._spans) - MAX_TRACKED_REQUESTS
             dropped = [self._spans.pop(k) for k in list(itertools.islice(self._spans, max(0, overflow)))]
-        for old in dropped:
-            SpanEmitter.end(old, error_type="abandoned", message="telemetry table full")
+        if self._end_dropped:
+            for old in dropped:
+                SpanEmitter.end(old, error_type="abandoned", message="telemetry table full")
 
     def get(self, req_id: str) -> Any:
         with self._lock:

@@ -41,6 +41,13 @@ class ObservedNixlStats(NixlKVConnectorStats):
     def record_push(self, key: str) -> None:
         self.data[key].append(1)
 
+    def record_receive(self, outcome: str, seconds: float, ids: tuple[str, str] | None) -> None:
+        """One D-side receive; `ids` (trace id, span id) of its span become the exemplar."""
+        rec: dict[str, Any] = {"outcome": outcome, "duration": seconds}
+        if ids is not None:
+            rec["trace_id"], rec["span_id"] = ids
+        self.data[StatKey.RECEIVES].append(rec)
+
     # -- vLLM's contract ---------------------------------------------------------
     def is_empty(self) -> bool:
         # An interval with only handshakes (no transfer yet) must not be dropped.
@@ -57,9 +64,17 @@ class ObservedNixlStats(NixlKVConnectorStats):
     def handshakes(self) -> list[dict[str, Any]]:
         return self.data.get(StatKey.HANDSHAKES, [])
 
+    @property
+    def receives(self) -> list[dict[str, Any]]:
+        return self.data.get(StatKey.RECEIVES, [])
+
     def reduce(self) -> dict[str, int | float]:
         """The stock "KV Transfer metrics" log line, extended with handshakes."""
         out = dict(super().reduce())
+        receives = self.receives
+        if receives:
+            out["Receives"] = len(receives)
+            out["Failed receives"] = sum(r.get("outcome") != "success" for r in receives)
         hs = self.handshakes
         if not hs:
             out["Num handshakes"] = 0
