@@ -16,7 +16,7 @@ from typing import Any
 from harness.config import FORK, EngineSpec
 from harness.engine import engine_main
 
-# Engine start-up (vLLM import, NIXL agent) is ~10-20 s; a loaded machine may need more.
+# Engine start-up on a loaded 2-core machine can take minutes; raise it there.
 START_TIMEOUT_S = float(os.environ.get("HARNESS_START_TIMEOUT_S", "180"))
 
 

@@ -321,7 +321,8 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
             (firing if check["exp_alerts"] else quiet).add(check["alertname"])
     assert alerts == {"NixlFullDToPHandshake", "NixlHandshakeFailureRatioHigh",
                       "NixlHandshakeLatencyP99High", "NixlHandshakeQueueWaitHigh", "NixlPushesFailing",
-                      "NixlReceivesFailing", "NixlReceiveLatencyP99High"}
+                      "NixlReceivesFailing", "NixlReceiveLatencyP99High",
+                      "NixlHandshakeStuck", "NixlPushRegRejected"}
     assert firing == alerts and quiet == alerts
 
 

@@ -157,6 +157,9 @@ def test_metric_classes_without_exemplar_support_just_observe():
         def inc(self, value=1.0):
             pass
 
+        def set(self, value):
+            pass
+
         def observe(self, value):
             observed.append(value)
 

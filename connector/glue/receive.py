@@ -15,13 +15,21 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
-from connector.telemetry.tracing import SpanEmitter, activated, extract_context, inject_context
+from connector.telemetry import errors
+from connector.telemetry.tracing import (
+    SpanEmitter,
+    activated,
+    extract_context,
+    inject_context,
+    peer_str,
+)
 from connector.vocabulary import (
     PUSH_REG_TRACE_KEY,
     REGISTRATION_TRACE_KEY,
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_REGISTER,
     Attr,
+    TelemetryError,
     Trigger,
 )
 
@@ -37,23 +45,30 @@ class ReceiveFlow:
         if metadata.push_registrations and not skipped:
             try:
                 self._start_receives(metadata.push_registrations)
-            except Exception:
-                logger.debug("receive telemetry dropped", exc_info=True)
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)
         super().start_load_kv(metadata)
 
     def _start_receives(self, registrations: dict[str, dict[str, Any]]) -> None:
+        """Time every receive (histogram); open its span when tracing is on."""
         for req_id in registrations:
             self._receive_clock.start(req_id)
         if self._spans.enabled:
-            for req_id, reg in registrations.items():
+            try:
+                self._open_receive_spans(registrations)
+            except Exception as exc:
+                errors.note(TelemetryError.SPAN, exc)
+
+    def _open_receive_spans(self, registrations: dict[str, dict[str, Any]]) -> None:
+        for req_id, reg in registrations.items():
+            self._receive_spans.put(req_id, self._spans.start(
                 # The request's own trace (from our scheduler) or, without one, a root.
-                self._receive_spans.put(req_id, self._spans.start(
-                    SPAN_PUSH_RECEIVE, parent=extract_context(reg.get(REGISTRATION_TRACE_KEY)),
-                    kind=SpanKind.CONSUMER,
-                    attributes={Attr.REQUEST_ID: req_id,
-                                Attr.LOCAL_ENGINE_ID: self.engine_id,
-                                Attr.REMOTE_ENGINE_ID: str(reg.get("remote_engine_id", "")),
-                                Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
+                SPAN_PUSH_RECEIVE, parent=extract_context(reg.get(REGISTRATION_TRACE_KEY)),
+                kind=SpanKind.CONSUMER,
+                attributes={Attr.REQUEST_ID: req_id,
+                            Attr.LOCAL_ENGINE_ID: self.engine_id,
+                            Attr.REMOTE_ENGINE_ID: peer_str(reg.get("remote_engine_id", "")),
+                            Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
 
     def _send_heartbeats(self, metadata: NixlConnectorMetadata) -> None:
         with self._triggered_by(Trigger.HEARTBEAT):
@@ -62,25 +77,36 @@ class ReceiveFlow:
     def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
         span = None
         if self._spans.enabled:
-            span = self._register_spans.get(req_id)
-            if span is None:
-                span = self._spans.start(
-                    SPAN_PUSH_REGISTER, parent=self._receive_spans.get(req_id),
-                    kind=SpanKind.PRODUCER,
-                    attributes={Attr.REQUEST_ID: req_id,
-                                Attr.REMOTE_ENGINE_ID: str(reg_data.get("remote_engine_id", "")),
-                                Attr.SERVER_ADDRESS: str(reg_data.get("remote_host", "")),
-                                Attr.SERVER_PORT: int(reg_data.get("remote_port", 0) or 0)})
-                self._register_spans.put(req_id, span)
-            if PUSH_REG_TRACE_KEY not in reg_data:
-                carrier = inject_context(span)
-                if carrier:
-                    # P parents its write on our register span; the request's own
-                    # context (already our receive span's parent) need not travel.
-                    reg_data = {k: v for k, v in reg_data.items() if k != REGISTRATION_TRACE_KEY}
-                    reg_data[PUSH_REG_TRACE_KEY] = carrier
+            try:
+                span, reg_data = self._open_register_span(req_id, reg_data)
+            except Exception as exc:
+                errors.note(TelemetryError.SPAN, exc)
         with activated(span), self._triggered_by(Trigger.PUSH_REG):
             super()._send_registration_to_p(req_id, reg_data)
+
+    def _open_register_span(self, req_id: str,
+                            reg_data: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The register span (reused when re-queued after a handshake) and the PUSH_REG
+        payload with its trace context added."""
+        span = self._register_spans.get(req_id)
+        if span is None:
+            port = reg_data.get("remote_port", 0)
+            span = self._spans.start(
+                SPAN_PUSH_REGISTER, parent=self._receive_spans.get(req_id),
+                kind=SpanKind.PRODUCER,
+                attributes={Attr.REQUEST_ID: req_id,
+                            Attr.REMOTE_ENGINE_ID: peer_str(reg_data.get("remote_engine_id", "")),
+                            Attr.SERVER_ADDRESS: peer_str(reg_data.get("remote_host", "")),
+                            Attr.SERVER_PORT: port if type(port) is int else 0})
+            self._register_spans.put(req_id, span)
+        if PUSH_REG_TRACE_KEY not in reg_data:
+            carrier = inject_context(span)
+            if carrier:
+                # P parents its write on our register span; the request's own context
+                # (already our receive span's parent) need not travel.
+                reg_data = {k: v for k, v in reg_data.items() if k != REGISTRATION_TRACE_KEY}
+                reg_data[PUSH_REG_TRACE_KEY] = carrier
+        return span, reg_data
 
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
         with self._handshake_lock:
@@ -99,8 +125,8 @@ class ReceiveFlow:
                                 message=f"PUSH_REG reached none of {num_agents} agents")
             else:
                 SpanEmitter.end(span)
-        except Exception:
-            logger.debug("PUSH_REG telemetry dropped", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
 
 
 

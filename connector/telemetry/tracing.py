@@ -23,13 +23,16 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from connector.telemetry import errors
 from connector.telemetry.record import HandshakeRecord
 from connector.vocabulary import (
+    MAX_PEER_STRING,
     SPAN_HANDSHAKE,
     TRACE_HEADER_KEYS,
     TRACER_NAME,
     Attr,
     Outcome,
+    TelemetryError,
     phase_span_name,
 )
 
@@ -113,8 +116,8 @@ def inject_context(span: Any) -> dict[str, str]:
         return carrier
     try:
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-    except Exception:
-        logger.debug("trace context inject failed", exc_info=True)
+    except Exception as exc:
+        errors.note(TelemetryError.SPAN, exc)
     return carrier
 
 
@@ -122,13 +125,23 @@ def extract_context(carrier: Any) -> Any:
     """Context from a carrier dict; None for a missing or malformed carrier."""
     if not isinstance(carrier, Mapping) or not carrier:
         return None
+    if len(carrier) > 8:
+        errors.note(TelemetryError.TRACE_CONTEXT, f"{len(carrier)} keys", exc_info=False)
+        return None
     try:
-        clean = {str(k): str(v) for k, v in carrier.items()}
+        # A peer controls this: keep only the W3C keys, at their real sizes.
+        clean = {k: v for k, v in carrier.items()
+                 if k in ("traceparent", "tracestate") and isinstance(v, str)
+                 and len(v) <= (64 if k == "traceparent" else 512)}
+        if "traceparent" not in clean:
+            errors.note(TelemetryError.TRACE_CONTEXT, "no usable traceparent", exc_info=False)
+            return None
         ctx = _PROPAGATOR.extract(clean)
         if trace.get_current_span(ctx).get_span_context().is_valid:
             return ctx
-    except Exception:
-        logger.debug("trace context extract failed", exc_info=True)
+        errors.note(TelemetryError.TRACE_CONTEXT, "invalid traceparent", exc_info=False)
+    except Exception as exc:
+        errors.note(TelemetryError.TRACE_CONTEXT, exc, exc_info=False)
     return None
 
 
@@ -158,8 +171,8 @@ def span_ids(span: Any) -> tuple[str, str] | None:
         if not ctx.is_valid or not span.is_recording():
             return None
         return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
-    except Exception:
-        logger.debug("span ids unavailable", exc_info=True)
+    except Exception as exc:
+        errors.note(TelemetryError.SPAN, exc)
         return None
 
 
@@ -171,9 +184,15 @@ def context_link(ctx: Any, attributes: Mapping[str, Any] | None = None) -> Link 
         span_context = trace.get_current_span(ctx).get_span_context()
         if span_context.is_valid:
             return Link(span_context, dict(attributes or {}))
-    except Exception:
-        logger.debug("span link dropped", exc_info=True)
+    except Exception as exc:
+        errors.note(TelemetryError.SPAN, exc)
     return None
+
+
+def peer_str(value: Any) -> str:
+    """A peer-sent value as a bounded span attribute (peers are unauthenticated)."""
+    text = value if isinstance(value, str) else str(value)
+    return text[:MAX_PEER_STRING]
 
 
 @contextmanager
@@ -183,6 +202,19 @@ def activated(span: Any) -> Iterator[None]:
         yield
         return
     token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+@contextmanager
+def activated_context(ctx: Any) -> Iterator[None]:
+    """Make an extracted context current on this thread (no-op for None)."""
+    if ctx is None:
+        yield
+        return
+    token = otel_context.attach(ctx)
     try:
         yield
     finally:
@@ -214,8 +246,8 @@ class SpanEmitter:
                 parent = trace.set_span_in_context(parent)
             return self.tracer.start_span(name, context=parent, kind=kind,
                                           attributes=dict(attributes or {}), links=links)
-        except Exception:
-            logger.debug("span start failed", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
             return None
 
     @staticmethod
@@ -231,8 +263,8 @@ class SpanEmitter:
                     span.set_attribute(Attr.ERROR_TYPE, error_type)
                     span.set_status(Status(StatusCode.ERROR, message[:300] or error_type))
             span.end()
-        except Exception:
-            logger.debug("span end failed", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
 
     def emit_handshake(self, record: HandshakeRecord) -> None:
         """One handshake span plus one child per phase segment, with real times."""
@@ -240,8 +272,8 @@ class SpanEmitter:
             return
         try:
             self._emit_handshake(record)
-        except Exception:
-            logger.debug("handshake span emission failed", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
 
     def _emit_handshake(self, record: HandshakeRecord) -> None:
         assert self.tracer is not None
@@ -252,6 +284,7 @@ class SpanEmitter:
             Attr.TRIGGER: record.trigger.value,
             Attr.OUTCOME: (record.outcome or Outcome.FAILURE).value,
             Attr.UPGRADE: record.upgrade,
+            Attr.ATTEMPT: record.attempt,
             Attr.REMOTE_ENGINE_ID: record.remote_engine_id,
             Attr.LOCAL_ENGINE_ID: record.local_engine_id,
             Attr.SERVER_ADDRESS: record.host,

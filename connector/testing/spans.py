@@ -35,6 +35,7 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
         "kind": span.kind.name,
         "attributes": dict(span.attributes or {}),
         "status": span.status.status_code.name,
+        "status_description": span.status.description or "",
         "start": span.start_time,
         "end": span.end_time,
         "service": (span.resource.attributes or {}).get("service.name"),
