@@ -2,9 +2,10 @@
 
 vLLM loads it with `kv_connector_module_path="connector"` and
 `kv_connector="NixlPushConnector"` (the literal name vLLM and routers match to
-select push mode). The scheduler role stays stock. vLLM's constructor runs as is; while it runs, the
-name it builds its worker by points at `ObservedPushWorker`, so no stock worker (and
-no second NIXL agent) is ever created.
+select push mode). vLLM's constructor runs as is; while it runs, the names it builds
+its worker and scheduler by point at `ObservedPushWorker` and `ObservedPushScheduler`
+(vLLM's scheduler plus the request trace context handed to workers), so no stock
+worker (and no second NIXL agent) is ever created.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector as StockNixlPushConnector,
 )
 
-from connector.glue.guard import WORKER_SEAM
+from connector.glue.guard import SCHEDULER_SEAM, WORKER_SEAM
+from connector.glue.scheduler import ObservedPushScheduler
 from connector.glue.worker import ObservedPushWorker
 from connector.telemetry.prometheus import ObservedPromMetrics
 from connector.telemetry.stats import ObservedNixlStats
@@ -35,19 +37,21 @@ _SEAM_LOCK = threading.Lock()
 
 
 @contextmanager
-def worker_class_injected(worker_cls: type) -> Iterator[None]:
-    """Point vLLM's worker name at `worker_cls` while a connector is constructed.
+def classes_injected(**classes: type) -> Iterator[None]:
+    """Point vLLM's module-level class names at ours while a connector is constructed.
 
-    One connector per worker process is the vLLM norm; the lock keeps two of ours
+    One connector per process and role is the vLLM norm; the lock keeps two of ours
     built on different threads from restoring each other's class.
     """
     with _SEAM_LOCK:
-        stock = getattr(stock_connector, WORKER_SEAM)
-        setattr(stock_connector, WORKER_SEAM, worker_cls)
+        stock = {name: getattr(stock_connector, name) for name in classes}
+        for name, cls in classes.items():
+            setattr(stock_connector, name, cls)
         try:
             yield
         finally:
-            setattr(stock_connector, WORKER_SEAM, stock)
+            for name, cls in stock.items():
+                setattr(stock_connector, name, cls)
 
 
 class ConnectorConfigError(RuntimeError):
@@ -82,21 +86,27 @@ class NixlPushConnector(StockNixlPushConnector):
     """vLLM's push connector with the observed worker. See module docstring."""
 
     worker_cls = ObservedPushWorker
+    scheduler_cls = ObservedPushScheduler
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
         check_connector_config(vllm_config)
         if role == KVConnectorRole.WORKER:
             check_nixl_available()
-        # vLLM's own constructor runs unchanged; it builds its worker by the module-level
-        # name `NixlPushConnectorWorker`, which we point at our worker class meanwhile.
-        with worker_class_injected(self.worker_cls):
+        # vLLM's own constructor runs unchanged; it builds its worker and scheduler by the
+        # module-level names `NixlPushConnectorWorker`/`...Scheduler`, pointed at ours meanwhile.
+        with classes_injected(**{WORKER_SEAM: self.worker_cls, SCHEDULER_SEAM: self.scheduler_cls}):
             super().__init__(vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.WORKER and not isinstance(self.connector_worker, self.worker_cls):
             raise ConnectorConfigError(
                 "vLLM's NixlPushConnector no longer builds its worker through the module-level "
                 f"name {WORKER_SEAM!r}, so the observed worker was not installed; this vLLM "
                 "release is not supported by this connector version.")
+        if role == KVConnectorRole.SCHEDULER and not isinstance(self.connector_scheduler,
+                                                                self.scheduler_cls):
+            raise ConnectorConfigError(
+                f"vLLM's NixlPushConnector no longer builds its scheduler through {SCHEDULER_SEAM!r}; "
+                "this vLLM release is not supported by this connector version.")
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ObservedNixlStats:

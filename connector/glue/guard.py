@@ -34,6 +34,7 @@ TESTED_RANGE = ">=0.32,<0.34"
 ALLOW_UNTESTED_ENV = "NIXL_PUSH_OBSERVED_ALLOW_UNTESTED"
 # The module-level name vLLM's NixlPushConnector.__init__ builds its worker by (our seam).
 WORKER_SEAM = "NixlPushConnectorWorker"
+SCHEDULER_SEAM = "NixlPushConnectorScheduler"
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -254,9 +255,9 @@ def _seam_problems() -> list[str]:
 
     init = getattr(getattr(stock, "NixlPushConnector", None), "__init__", None)
     code = getattr(init, "__code__", None)
-    if not hasattr(stock, WORKER_SEAM) or code is None or WORKER_SEAM not in code.co_names:
-        return [f"NixlPushConnector.__init__ no longer builds its worker by the name {WORKER_SEAM!r}"]
-    return []
+    return [f"NixlPushConnector.__init__ no longer builds its {role} by the name {seam!r}"
+            for role, seam in (("worker", WORKER_SEAM), ("scheduler", SCHEDULER_SEAM))
+            if not hasattr(stock, seam) or code is None or seam not in code.co_names]
 
 
 def attribute_problems(worker: Any, names: Iterable[str] = WORKER_ATTRIBUTES) -> list[str]:
