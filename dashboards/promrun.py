@@ -80,8 +80,9 @@ class PrometheusServer:
 
     def __init__(self, scrape_configs: list[dict[str, Any]], *, rule_files: Iterable[Path] = (),
                  scrape_interval: str = "1s", evaluation_interval: str = "1s",
-                 workdir: str | Path | None = None):
+                 workdir: str | Path | None = None, extra_args: Iterable[str] = ()):
         self.scrape_configs = scrape_configs
+        self.extra_args = list(extra_args)  # e.g. --enable-feature=exemplar-storage
         self.rule_files = [Path(p).resolve() for p in rule_files]
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
@@ -112,7 +113,7 @@ class PrometheusServer:
         self.process = subprocess.Popen(
             [binary(PROMETHEUS), f"--config.file={config}",
              f"--storage.tsdb.path={self.workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn", *self.extra_args],
             stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
