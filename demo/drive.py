@@ -22,7 +22,8 @@ from demo.engines import SERVED_MODEL
 VOCAB = 256
 
 
-def make_prompts(n: int, seed: int = 7, lengths: tuple[int, ...] = (40, 72, 100, 33, 130, 64)) -> list[list[int]]:
+def make_prompts(n: int, seed: int = 7, lengths: tuple[int, ...] = (40, 72, 100, 33, 130, 64)
+                 ) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, VOCAB) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
 

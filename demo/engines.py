@@ -64,6 +64,14 @@ def session_pids(sid: int) -> list[int]:
     return out
 
 
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 class Process:
     """A child process in its own session with its output in a log file."""
 

@@ -50,8 +50,8 @@ def random_checkpoint(cache: Path, num_layers: int = 2) -> Path:
     if (path / "model.safetensors").exists():
         return path
     rng = np.random.default_rng(SEED)
-    tensors = {name: (np.ones(shape) if len(shape) == 1 else rng.normal(0, INIT_STD, shape)).astype(np.float32)
-               for name, shape in llama_shapes(config).items()}
+    tensors = {name: (np.ones(shape) if len(shape) == 1 else rng.normal(0, INIT_STD, shape))
+               .astype(np.float32) for name, shape in llama_shapes(config).items()}
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

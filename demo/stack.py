@@ -14,7 +14,7 @@ from typing import Any
 
 from connector.testing.otlp import OtlpGrpcReceiver
 from dashboards import promrun
-from demo.engines import LOOPBACK, REPO, Process, RouterProcess, VllmServer
+from demo.engines import LOOPBACK, REPO, Process, RouterProcess, VllmServer, alive
 from demo.model import random_checkpoint
 
 JOB = "vllm"
@@ -36,6 +36,7 @@ class Stack:
         self.router: RouterProcess | None = None
         self.prometheus: promrun.PrometheusServer | None = None
         self.model: Path | None = None
+        self.prometheus_pid: int | None = None
 
     @property
     def otlp_endpoint(self) -> str:
@@ -86,7 +87,7 @@ class Stack:
             t.join()
         if errors:
             raise errors[0]
-        self.progress(f"engines healthy: P {self.prefill.url}, D {self.decode.url} ({self.connector} connector)")
+        self.progress(f"engines healthy: P {self.prefill.url}, D {self.decode.url}")
         self.router = RouterProcess(self.workdir, [self.prefill], [self.decode], self.otlp_endpoint)
         self.router.wait_ready()
         self.progress(f"router {self.router.url} pid {self.router.pid} log {self.router.log_path}")
@@ -94,9 +95,10 @@ class Stack:
         self.prometheus = promrun.PrometheusServer(
             [promrun.scrape_job(JOB, targets)], rule_files=[promrun.RULES_PATH],
             workdir=self.workdir / "prometheus", extra_args=["--enable-feature=exemplar-storage"]).start()
+        self.prometheus_pid = self.prometheus.process.pid  # type: ignore[union-attr]
         self.prometheus.wait_for(f'sum(up{{job="{JOB}"}})', lambda v: v == 2, timeout_s=60,
                                  what="Prometheus scraping both engines")
-        self.progress(f"Prometheus {self.prometheus.url} pid {self.prometheus.process.pid} "  # type: ignore[union-attr]
+        self.progress(f"Prometheus {self.prometheus.url} pid {self.prometheus_pid} "
                       f"scraping both engines, rules loaded, exemplar storage on")
 
     def spans(self) -> list[dict[str, Any]]:
@@ -113,9 +115,8 @@ class Stack:
     def leftovers(self) -> list[int]:
         """Pids of anything this stack started that is still alive."""
         out = [pid for p in self.processes for pid in p.leftovers()]
-        if self.prometheus is not None and self.prometheus.process is not None \
-                and self.prometheus.process.poll() is None:
-            out.append(self.prometheus.process.pid)
+        if self.prometheus_pid is not None and alive(self.prometheus_pid):
+            out.append(self.prometheus_pid)
         return out
 
     def __enter__(self) -> Stack:
