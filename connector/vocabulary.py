@@ -41,6 +41,9 @@ class Trigger(_Vocab):
     PUSH_REG = "push_reg"
     HEARTBEAT = "heartbeat"
     PUSH_WRITE = "push_write"
+    # P started its P->D handshake when D's PUSH_REG arrived, before the prefill was
+    # done, so the WRITE finds the connection ready.
+    PUSH_REG_EARLY = "push_reg_early"
     OTHER = "other"
 
 
@@ -80,6 +83,29 @@ class NotifOutcome(_Vocab):
     FAILED = "failed"
 
 
+class TelemetryError(_Vocab):
+    """Why a piece of telemetry was lost (the push itself never is)."""
+
+    SAVINGS = "savings_failed"  # could not size what a notif-only handshake skipped
+    DESCRIPTOR_COUNT = "descriptor_count_failed"  # a prepared list NIXL could not count
+    SPAN = "span_failed"  # a span could not be started, ended or emitted
+    STATS = "stats_failed"  # a worker-side stats record could not be written
+    MALFORMED_RECORD = "malformed_record"  # API server: a stats record dropped whole
+    TABLE_FULL = "table_full"  # per-request state past its bound: oldest dropped
+    TRACE_CONTEXT = "trace_context_invalid"  # a peer sent an unusable trace context
+
+
+class PushRegRejection(_Vocab):
+    """Why P dropped a PUSH_REG notification (a bad one costs no other request)."""
+
+    UNDECODABLE = "undecodable"
+    NOT_A_MAP = "not_a_map"
+    MISSING_FIELD = "missing_field"
+    WRONG_TYPE = "wrong_type"
+    OVERSIZED = "oversized"
+    FAILED = "processing_failed"  # valid fields, but acting on it raised
+
+
 BOOL_VALUES = ("true", "false")
 
 
@@ -110,6 +136,7 @@ class Attr:
     TRIGGER = "vllm.nixl.handshake.trigger"
     OUTCOME = "vllm.nixl.handshake.outcome"
     UPGRADE = "vllm.nixl.handshake.upgrade"
+    ATTEMPT = "vllm.nixl.handshake.attempt"
     PHASE = "vllm.nixl.handshake.phase"
     REMOTE_ENGINE_ID = "vllm.nixl.remote_engine_id"
     LOCAL_ENGINE_ID = "vllm.nixl.engine_id"
@@ -125,6 +152,8 @@ class Attr:
     REQUEST_ID = "gen_ai.request.id"
     REMOTE_REQUEST_ID = "vllm.nixl.remote_request_id"
     NUM_BLOCKS = "vllm.nixl.push.num_blocks"
+    # Seconds the WRITE of a request waited for its P->D handshake (0: it was ready).
+    HANDSHAKE_WAIT = "vllm.nixl.push.handshake_wait_s"
     SERVER_ADDRESS = "server.address"
     SERVER_PORT = "server.port"
     ERROR_TYPE = "error.type"
@@ -146,6 +175,7 @@ class Label:
     PHASE = "phase"
     ERROR_TYPE = "error_type"
     LIST = "list"
+    REASON = "reason"
 
 
 # Allowed values per label (the dashboards and the label-cardinality test use these).
@@ -158,12 +188,15 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     Label.PHASE: tuple(p.value for p in Phase),
     Label.ERROR_TYPE: tuple(e.value for e in ErrorType),
     Label.LIST: tuple(x.value for x in DescriptorList),
+    Label.REASON: tuple(dict.fromkeys(
+        [t.value for t in TelemetryError] + [r.value for r in PushRegRejection])),
 }
 
 
 class MetricKind(_Vocab):
     COUNTER = "counter"
     HISTOGRAM = "histogram"
+    GAUGE = "gauge"
 
 
 @dataclass(frozen=True)
@@ -182,6 +215,8 @@ class MetricSpec:
         """Sample names Prometheus stores for this metric."""
         if self.kind is MetricKind.COUNTER:
             return (self.name + "_total",)
+        if self.kind is MetricKind.GAUGE:
+            return (self.name,)
         return (self.name + "_bucket", self.name + "_sum", self.name + "_count")
 
 
@@ -260,6 +295,43 @@ PUSHES = MetricSpec(
     "KV pushes (WRITEs of one request) on prefill workers: started, completed, failed.",
 )
 
+HANDSHAKE_RETRIES = MetricSpec(
+    "vllm:nixl_handshake_retries",
+    MetricKind.COUNTER,
+    (Label.DIRECTION,),
+    "Handshake attempts re-queued after a transient failure (side channel unreachable "
+    "or silent), within the retry budget.",
+)
+HANDSHAKES_IN_FLIGHT = MetricSpec(
+    "vllm:nixl_handshakes_in_flight",
+    MetricKind.GAUGE,
+    (Label.DIRECTION, Label.NOTIF_AGENTS_ONLY),
+    "NIXL handshakes submitted and not yet finished (queued or running), summed over "
+    "the engine's workers.",
+)
+HANDSHAKE_OLDEST_IN_FLIGHT = MetricSpec(
+    "vllm:nixl_handshake_oldest_in_flight_seconds",
+    MetricKind.GAUGE,
+    (Label.DIRECTION,),
+    "Age of the oldest unfinished NIXL handshake (0 when none): a hung handshake shows "
+    "here long before it times out or is counted.",
+    unit="s",
+)
+PUSH_REG_REJECTED = MetricSpec(
+    "vllm:nixl_push_reg_rejected",
+    MetricKind.COUNTER,
+    (Label.REASON,),
+    "PUSH_REG notifications a prefill worker dropped as malformed, oversized or failing; "
+    "each is logged and costs no other request.",
+)
+TELEMETRY_ERRORS = MetricSpec(
+    "vllm:nixl_telemetry_errors",
+    MetricKind.COUNTER,
+    (Label.REASON,),
+    "Telemetry lost to an internal error (never the push itself): the first of each "
+    "reason is logged at WARNING.",
+)
+
 ALL_METRICS: tuple[MetricSpec, ...] = (
     HANDSHAKES,
     HANDSHAKE_DURATION,
@@ -271,6 +343,11 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     DESCRIPTORS_SAVED,
     PUSH_REG_NOTIFS,
     PUSHES,
+    HANDSHAKE_RETRIES,
+    HANDSHAKES_IN_FLIGHT,
+    HANDSHAKE_OLDEST_IN_FLIGHT,
+    PUSH_REG_REJECTED,
+    TELEMETRY_ERRORS,
 )
 
 # `outcome` is a different closed set per metric; LABEL_VALUES holds the union.
@@ -279,6 +356,8 @@ METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (HANDSHAKE_DURATION.name, Label.OUTCOME): tuple(o.value for o in Outcome),
     (PUSH_REG_NOTIFS.name, Label.OUTCOME): tuple(o.value for o in NotifOutcome),
     (PUSHES.name, Label.OUTCOME): tuple(e.value for e in PushEvent),
+    (PUSH_REG_REJECTED.name, Label.REASON): tuple(r.value for r in PushRegRejection),
+    (TELEMETRY_ERRORS.name, Label.REASON): tuple(t.value for t in TelemetryError),
 }
 
 
@@ -315,6 +394,11 @@ class StatKey:
     PUSHES_STARTED = "pushes_started"
     PUSHES_COMPLETED = "pushes_completed"
     PUSHES_FAILED = "pushes_failed"
+    HANDSHAKE_RETRIES = "handshake_retries"  # list of direction values
+    PUSH_REG_REJECTED = "push_reg_rejected"  # list of PushRegRejection values
+    TELEMETRY_ERRORS = "telemetry_errors"  # list of TelemetryError values
+    # One snapshot per worker and stats interval: {"d_to_p|true": [count, oldest_s], ...}
+    IN_FLIGHT = "handshakes_in_flight"
 
 
 OUR_STAT_KEYS = (
@@ -324,8 +408,13 @@ OUR_STAT_KEYS = (
     StatKey.PUSHES_STARTED,
     StatKey.PUSHES_COMPLETED,
     StatKey.PUSHES_FAILED,
+    StatKey.HANDSHAKE_RETRIES,
+    StatKey.PUSH_REG_REJECTED,
+    StatKey.TELEMETRY_ERRORS,
+    StatKey.IN_FLIGHT,
 )
 
+<<<<<<< HEAD
 
 # ------------------------------------------------------------------ router (connector.router)
 ROUTER_TRACER_NAME = "connector.router"
@@ -355,3 +444,17 @@ class RouterAttr:
     TRANSFER_ID = "vllm.nixl.transfer_id"
     PREFILL_ENGINE_ID = "vllm.nixl.remote_engine_id"
     ERROR_TYPE = "error.type"
+=======
+# PUSH_REG fields P acts on, with the types it needs (validated before use).
+PUSH_REG_FIELDS: dict[str, tuple[type, ...]] = {
+    "request_id": (str,),
+    "decode_engine_id": (str,),
+    "decode_host": (str,),
+    "decode_port": (int,),
+    "decode_tp_size": (int,),
+    "local_block_ids": (list, tuple),
+}
+# Bounds on what a peer controls (the side channel and PUSH_REG are unauthenticated).
+MAX_PUSH_REG_BYTES = 1 << 20  # a PUSH_REG with 1M block ids is far past any real request
+MAX_PEER_STRING = 256  # engine ids, hosts, request ids kept on spans or in logs
+>>>>>>> main

@@ -60,6 +60,8 @@ FAILURE_RATIO_THRESHOLD = 0.10
 P99_LATENCY_THRESHOLD_S = 2.5
 QUEUE_WAIT_P95_THRESHOLD_S = 0.5
 FULL_D_TO_P_WINDOW = "15m"
+# Three default side-channel timeouts (5 s each): past this a handshake is hung, not slow.
+STUCK_THRESHOLD_S = 15
 
 COUNT_UNIT = "short"
 
@@ -256,7 +258,7 @@ def _handshakes() -> list[tuple[dict[str, Any], int, int]]:
                     "suffix: handshakes/s"), 12, 8),
         (timeseries("Handshakes/s by trigger and outcome",
                     "NIXL handshakes per second by direction, trigger (push_reg, heartbeat, "
-                    f"push_write, other) and outcome, from {V.HANDSHAKES.name}_total. A label "
+                    f"push_write, push_reg_early: P->D started on D's PUSH_REG, other) and outcome, from {V.HANDSHAKES.name}_total. A label "
                     "combination's very first handshake creates its series and is not visible "
                     "to rate().",
                     [target(f"sum {by(Label.DIRECTION, Label.TRIGGER, Label.OUTCOME)} "
@@ -392,6 +394,42 @@ def _push_flow() -> list[tuple[dict[str, Any], int, int]]:
     ]
 
 
+def _reliability() -> list[tuple[dict[str, Any], int, int]]:
+    in_flight, oldest = V.HANDSHAKES_IN_FLIGHT, V.HANDSHAKE_OLDEST_IN_FLIGHT
+    retries, rejected = total(V.HANDSHAKE_RETRIES), total(V.PUSH_REG_REJECTED)
+    lost = total(V.TELEMETRY_ERRORS)
+    return [
+        (timeseries("Handshakes in flight",
+                    "Handshakes submitted and not finished (queued in vLLM's handshake executor "
+                    f"or running), by direction and flavor: {in_flight.name}, summed over the "
+                    "engine's workers. A handshake that hangs shows here before it is counted.",
+                    [target(f"sum {by(*FLAVOR)} ({sel(in_flight.name)})",
+                            "{{direction}} notif_only={{notif_agents_only}}")],
+                    COUNT_UNIT), 6, 8),
+        (timeseries("Oldest handshake in flight",
+                    f"Age of the oldest unfinished handshake by direction: {oldest.name} "
+                    f"(0 when none). Alert NixlHandshakeStuck fires above {STUCK_THRESHOLD_S}s.",
+                    [target(f"max {by(Label.DIRECTION)} ({sel(oldest.name)})", "{{direction}}")],
+                    "s"), 6, 8),
+        (timeseries("Handshake retries/s",
+                    "Attempts re-queued after a transient failure (peer side channel unreachable "
+                    f"or silent), by direction: rate of {retries}.",
+                    [target(f"sum {by(Label.DIRECTION)} (rate({sel(retries)}[{RATE}]))",
+                            "{{direction}}")],
+                    "suffix: retries/s"), 4, 8),
+        (timeseries("PUSH_REG rejected/s",
+                    "PUSH_REG notifications a prefill worker dropped (malformed, oversized, failing) "
+                    f"by reason: rate of {rejected}. Each costs only its own request.",
+                    [target(f"sum {by(Label.REASON)} (rate({sel(rejected)}[{RATE}]))", "{{reason}}")],
+                    "suffix: notifs/s"), 4, 8),
+        (timeseries("Telemetry errors/s",
+                    f"Telemetry lost to an internal error, by reason: rate of {lost}. The push is "
+                    "never affected; the first of each reason is logged at WARNING.",
+                    [target(f"sum {by(Label.REASON)} (rate({sel(lost)}[{RATE}]))", "{{reason}}")],
+                    "suffix: errors/s"), 4, 8),
+    ]
+
+
 def _stock() -> list[tuple[dict[str, Any], int, int]]:
     stock = {spec.name.removeprefix("vllm:nixl_"): spec for spec in V.STOCK_METRICS}
     xfer, post = stock["xfer_time_seconds"], stock["post_time_seconds"]
@@ -443,6 +481,7 @@ ROWS: tuple[tuple[str, bool, Any], ...] = (
     ("Latency and executor queue", False, _latency),
     ("Failures", False, _failures),
     ("Push flow", False, _push_flow),
+    ("Reliability", False, _reliability),
     ("NIXL transfers (vLLM stock)", True, _stock),
 )
 
@@ -610,6 +649,27 @@ def _rules() -> dict[str, Any]:
                             "{{ $value | humanizeDuration }} over 10m (threshold "
                             f"{QUEUE_WAIT_P95_THRESHOLD_S}s): handshakes wait behind each "
                             "other in vLLM's handshake executor."}},
+        {"alert": "NixlHandshakeStuck",
+         "expr": f"max {by(*INSTANCE, Label.DIRECTION)} ({V.HANDSHAKE_OLDEST_IN_FLIGHT.name})"
+                 f" > {STUCK_THRESHOLD_S}",
+         "for": "1m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "NIXL handshake stuck on {{ $labels.instance }}",
+             "description": "A {{ $labels.direction }} handshake has been in flight for "
+                            "{{ $value | humanizeDuration }} (threshold "
+                            f"{STUCK_THRESHOLD_S}s, three side-channel timeouts): it is hung, "
+                            "and every handshake queued behind it in vLLM's one-thread "
+                            "executor waits too."}},
+        {"alert": "NixlPushRegRejected",
+         "expr": f"sum {by(*INSTANCE, Label.REASON)} (increase({s(total(V.PUSH_REG_REJECTED))}[10m]))"
+                 "\n> 0",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "Malformed PUSH_REG notifications on {{ $labels.instance }}",
+             "description": "{{ $value }} PUSH_REG notification(s) dropped as "
+                            "{{ $labels.reason }} in the last 10m: a decoder runs an "
+                            "incompatible build, or something else sends to this agent."}},
         {"alert": "NixlPushesFailing",
          "expr": f"sum {by(*INSTANCE)} "
                  f"(increase({s(total(V.PUSHES), eq(Label.OUTCOME, V.PushEvent.FAILED))}[10m]))\n> 0",

@@ -285,6 +285,10 @@ class Engine:
     def cmd_now(self) -> float:
         return time.perf_counter()
 
+    def cmd_pending_registrations(self) -> list[str]:
+        """P side: D request ids whose PUSH_REG arrived and waits for P's blocks."""
+        return sorted(getattr(self.worker, "_pending_d_registrations", {}))
+
     def shutdown(self) -> None:
         for conn in (self.worker_connector, self.scheduler_connector):
             with contextlib.suppress(Exception):

@@ -22,13 +22,26 @@ from harness.config import FORK, STOCK, EngineSpec
 from harness.runner import free_port
 
 
-def drain_stats(h: PushHarness, engine: str, settle_s: float = 0.5, rounds: int = 3) -> list[dict]:
-    """All stats dicts an engine produced, waiting for late handshake/push records."""
+def drain_stats(h: PushHarness, engine: str, until: Any, timeout_s: float = 60.0) -> list[dict]:
+    """Stats dicts of an engine, collected until `until(collected)` holds (polled)."""
     out: list[dict] = []
-    for _ in range(rounds):
-        time.sleep(settle_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
         out.extend(h.stats(engine))
-    return out
+        if until(out):
+            return out
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{engine}: stats never satisfied the condition; got {out}")
+        time.sleep(0.02)  # poll interval, not a synchronisation
+
+
+def stat_count(stats: list[dict], key: str) -> int:
+    return sum(len(s.get(key, [])) for s in stats)
+
+
+def has_handshakes(n: int) -> Any:
+    """Condition: at least `n` handshake records collected."""
+    return lambda stats: len(handshakes(stats)) >= n
 
 
 def handshakes(stats: list[dict]) -> list[dict]:
@@ -83,10 +96,14 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Any:
         calls = sc.facts["D_calls_after_heartbeat"]
         p_agent = next(c[1] for c in calls if c[0] == "add_remote_agent")
         sc.facts["P_agent_name"] = p_agent
-        t0 = time.perf_counter()
         sc.facts["report"] = h.push(20)
-        sc.facts["push_wall_s"] = time.perf_counter() - t0
-        sc.facts["stats"] = {n: drain_stats(h, n) for n in ("P", "D", "S")}
+        # P: its P->D handshake and 20 completed pushes; D and S: their D->P handshake.
+        sc.facts["stats"] = {
+            "P": drain_stats(h, "P", lambda s: has_handshakes(1)(s)
+                             and stat_count(s, "pushes_completed") >= 20),
+            "D": drain_stats(h, "D", has_handshakes(1)),
+            "S": drain_stats(h, "S", has_handshakes(1)),
+        }
         sc.facts["spans"] = {n: h[n].call("spans") for n in ("P", "D", "S")}
         sc.facts["calls"] = {n: h[n].call("nixl_calls") for n in ("P", "D", "S")}
         sc.facts["pids"] = {n: h[n].info["pid"] for n in ("P", "D", "S")}

@@ -283,7 +283,8 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
         for check in case.get("alert_rule_test", []):
             (firing if check["exp_alerts"] else quiet).add(check["alertname"])
     assert alerts == {"NixlFullDToPHandshake", "NixlHandshakeFailureRatioHigh",
-                      "NixlHandshakeLatencyP99High", "NixlHandshakeQueueWaitHigh", "NixlPushesFailing"}
+                      "NixlHandshakeLatencyP99High", "NixlHandshakeQueueWaitHigh", "NixlPushesFailing",
+                      "NixlHandshakeStuck", "NixlPushRegRejected"}
     assert firing == alerts and quiet == alerts
 
 

@@ -10,7 +10,9 @@ import threading
 from concurrent.futures import Future
 
 from connector.glue.compat import RemoteAgentTable
+from connector.glue.retry import RetryPolicy
 from connector.glue.worker import ObservedPushWorker
+from connector.telemetry.in_flight import InFlight
 from connector.telemetry.tracing import SpanEmitter
 from connector.vocabulary import Direction, Trigger
 
@@ -37,6 +39,8 @@ def bare_worker(kv_role="kv_both"):
     w.tp_rank, w.engine_id = 0, "me"
     w._evict_stale_engines = lambda: None
     w._handshake_initiation_executor = RecordingExecutor()
+    w._retry_policy = RetryPolicy()
+    w._in_flight = InFlight()
     return w
 
 

@@ -115,7 +115,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                 prom.wait_for(d_saved, lambda v: v == saved, what="D's saved descriptors scraped")
                 prom.wait_for(f'sum({V.PUSHES.series_names[0]}{{outcome="completed"}})',
                               lambda v: v == N_PUSHES, what="P's completed pushes scraped")
-                time.sleep(1.5)  # one more scrape of both, so both changes precede `at`
+                # One more scrape of both, so both changes precede `at`.
+                for inst in instances.values():
+                    scraped = f'max(timestamp(up{{job="{JOB}",instance="{inst}"}}))'
+                    before = prom.value(scraped)
+                    prom.wait_for(scraped, lambda v, b=before: v is not None and v > b,
+                                  what=f"another scrape of {inst}")
                 # Evaluate at an engine's last scrape: increase() over $__range then does
                 # not extrapolate past its last sample, so that engine's range totals are
                 # exact counts (the two targets are scraped at different offsets).

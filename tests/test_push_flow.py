@@ -7,7 +7,7 @@ import os
 import pytest
 
 from harness import PushHarness
-from tests.conftest import drain_stats, handshakes, remote_preps
+from tests.conftest import drain_stats, handshakes, has_handshakes, remote_preps
 
 pytestmark = pytest.mark.real
 
@@ -86,7 +86,7 @@ def test_kv_both_notif_only_connection_is_upgraded_for_a_write(tmp_path):
         after = h["P"].call("connections")
         assert d_id not in after["notif_only"]
         assert after["dst_handles"][d_id] == 1
-        hs = handshakes(drain_stats(h, "P"))
+        hs = handshakes(drain_stats(h, "P", has_handshakes(2)))
         flavors = sorted((x["direction"], x["notif_only"], x["upgrade"], x["outcome"]) for x in hs)
         assert flavors == [("d_to_p", True, False, "success"), ("p_to_d", False, True, "success")]
         upgrade = next(x for x in hs if x["upgrade"])

@@ -53,16 +53,21 @@ def test_p_to_d_handshake_span_is_full_with_descriptor_phases(trio):
     [hs] = by_name(spans, SPAN_HANDSHAKE)
     a = hs["attributes"]
     assert a[Attr.NOTIF_AGENTS_ONLY] is False
-    assert a[Attr.DIRECTION] == "p_to_d" and a[Attr.TRIGGER] == "push_write"
+    assert a[Attr.DIRECTION] == "p_to_d" and a[Attr.TRIGGER] in ("push_write", "push_reg_early")
     assert a[Attr.DESCRIPTOR_REGISTRATIONS] == 1 and a[Attr.DESCRIPTORS_REGISTERED] == 256
     assert a[Attr.DESCRIPTORS_SAVED] == 0
     names = {k["name"] for k in children(spans, hs)}
     for phase in Phase:
         assert phase_span_name(phase) in names, phase
     assert all(k["attributes"][Attr.NOTIF_AGENTS_ONLY] is False for k in children(spans, hs))
-    # Triggered by a WRITE: the handshake sits inside that request's write span.
-    parent = next(s for s in spans if s["span_id"] == hs["parent_span_id"])
-    assert parent["name"] == SPAN_PUSH_WRITE
+    # Triggered by a WRITE, it sits inside that request's write span; started early by
+    # D's PUSH_REG, under D's register span of that request (the PUSH_REG's context).
+    if a[Attr.TRIGGER] == "push_write":
+        parent = next(s for s in spans if s["span_id"] == hs["parent_span_id"])
+        assert parent["name"] == SPAN_PUSH_WRITE
+    else:
+        parent = next(s for s in trio.facts["spans"]["D"] if s["span_id"] == hs["parent_span_id"])
+        assert parent["name"] == "nixl.push.register" and parent["trace_id"] == hs["trace_id"]
 
 
 def test_request_spans_form_one_trace_across_both_engines(trio):

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -37,6 +39,7 @@ from vllm.platforms import current_platform
 
 from connector.glue.compat import accepted, bind_handshake_tail
 from connector.glue.side_channel import SideChannelClient
+from connector.telemetry import errors
 from connector.telemetry.record import (
     ActiveRecord,
     HandshakeError,
@@ -49,12 +52,32 @@ from connector.vocabulary import (
     Direction,
     ErrorType,
     Phase,
+    TelemetryError,
     Trigger,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HANDSHAKE_TIMEOUT_MS = 5000
+
+
+@dataclass
+class _HandshakeJob:
+    """One logical handshake: the future callers wait on, and what each attempt needs."""
+
+    outer: Future
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    tail: dict[str, Any]
+    direction: Direction
+    trigger: Trigger
+    notif_only: bool
+    upgrade: bool
+    parent_context: Any
+    deadline: float
+    attempt: int = 0
 
 
 class HandshakeFlow:
@@ -80,7 +103,8 @@ class HandshakeFlow:
         if trigger in (Trigger.PUSH_REG, Trigger.HEARTBEAT):
             # D only ever sends notifications to P in push mode.
             return Direction.D_TO_P, True
-        if trigger is Trigger.PUSH_WRITE:
+        if trigger in (Trigger.PUSH_WRITE, Trigger.PUSH_REG_EARLY):
+            # P writes into D's blocks: it needs D's descriptors.
             return Direction.P_TO_D, False
         if self._kv_role == "kv_consumer" or requested_notif_only:
             return Direction.D_TO_P, requested_notif_only
@@ -102,11 +126,13 @@ class HandshakeFlow:
             pending_notif_only = self._pending_notif_only.get(engine_id, True)
             if pending is not None and (notif_only or not pending_notif_only):
                 self._note_joined_handshake(engine_id, pending_notif_only)
+                self._trigger_local.deferred = True
                 return pending
             # What remains: no handshake yet, or a WRITE needs descriptors from a peer
             # reached (or being reached) notification-only. The one-thread executor
             # runs an upgrade after any queued notification-only handshake.
             upgrade = connected or pending is not None
+            self._trigger_local.deferred = True
             return self._submit_handshake(engine_id, host, port, tp_size, tail, direction, trigger,
                                           notif_only=notif_only and not upgrade, upgrade=upgrade)
 
@@ -123,42 +149,85 @@ class HandshakeFlow:
             if span.is_recording():
                 span.add_event("nixl.handshake.joined", {Attr.REMOTE_ENGINE_ID: engine_id,
                                                           Attr.NOTIF_AGENTS_ONLY: notif_only})
-        except Exception:
-            logger.debug("span event dropped", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
 
     def _submit_handshake(self, engine_id: str, host: str, port: int, tp_size: int,
                           tail: dict[str, Any], direction: Direction, trigger: Trigger, *,
                           notif_only: bool, upgrade: bool) -> Future:
-        """Queue one handshake on vLLM's one-thread executor (lock held by caller)."""
-        record = HandshakeRecord(
-            direction=direction, trigger=trigger, notif_only=notif_only,
-            remote_engine_id=engine_id, host=host, port=int(port),
-            remote_tp_size=int(tp_size), remote_pp_size=int(tail.get("pp_size", 1) or 1),
-            local_tp_rank=self.tp_rank, local_engine_id=self.engine_id, upgrade=upgrade,
-            parent_context=otel_context.get_current() if self._spans.enabled else None,
-        )
-        fut = self._handshake_initiation_executor.submit(
-            self._run_handshake, record, int(tail.get("dcp_size", 1) or 1))
-        self._handshake_futures[engine_id] = fut
-        self._pending_notif_only[engine_id] = notif_only
-        fut.add_done_callback(partial(self._on_handshake_done, record))
-        return fut
+        """Queue a handshake on vLLM's one-thread executor (lock held by caller).
 
-    def _on_handshake_done(self, record: HandshakeRecord, fut: Future) -> None:
-        eid = record.remote_engine_id
+        Callers get one future for the whole handshake; behind it, each attempt is its
+        own record (counted once, with one outcome). A transient failure (side channel
+        unreachable or silent) is retried with backoff within the retry budget, so a
+        short stall of the peer's engine does not fail a request that still has time.
+        """
+        outer: Future = Future()
+        outer.set_running_or_notify_cancel()
+        job = _HandshakeJob(outer=outer, engine_id=engine_id, host=host, port=int(port),
+                            tp_size=int(tp_size), tail=tail, direction=direction, trigger=trigger,
+                            notif_only=notif_only, upgrade=upgrade,
+                            parent_context=otel_context.get_current() if self._spans.enabled else None,
+                            deadline=time.monotonic() + self._retry_policy.budget_s)
+        self._handshake_futures[engine_id] = outer
+        self._pending_notif_only[engine_id] = notif_only
+        self._start_attempt(job)
+        return outer
+
+    def _start_attempt(self, job: _HandshakeJob) -> None:
+        job.attempt += 1
+        record = HandshakeRecord(
+            direction=job.direction, trigger=job.trigger, notif_only=job.notif_only,
+            remote_engine_id=job.engine_id, host=job.host, port=job.port,
+            remote_tp_size=job.tp_size, remote_pp_size=int(job.tail.get("pp_size", 1) or 1),
+            local_tp_rank=self.tp_rank, local_engine_id=self.engine_id, upgrade=job.upgrade,
+            parent_context=job.parent_context, attempt=job.attempt,
+        )
+        self._in_flight.add(record)
+        try:
+            inner = self._handshake_initiation_executor.submit(
+                self._run_handshake, record, int(job.tail.get("dcp_size", 1) or 1))
+        except RuntimeError as exc:  # executor shut down (engine stopping)
+            record.finish(exc)
+            self._in_flight.discard(record)
+            self._finish_job(job, record, None, exc)
+            return
+        inner.add_done_callback(partial(self._on_attempt_done, job, record))
+
+    def _on_attempt_done(self, job: _HandshakeJob, record: HandshakeRecord, inner: Future) -> None:
+        self._in_flight.discard(record)
+        exc = inner.exception()
+        if exc is not None:
+            delay = self._retry_policy.delay(job.attempt, record.error_type, job.deadline)
+            if delay is not None:
+                logger.warning(
+                    "NIXL handshake to %s (%s:%s, %s) failed transiently (%s); retry %d in %.2f s",
+                    job.engine_id, job.host, job.port, job.direction.value,
+                    record.error_type.value if record.error_type else "error", job.attempt, delay)
+                self._publish_handshake(record)
+                self._safe_stats(self.xfer_stats.record_retry, job.direction.value)
+                timer = threading.Timer(delay, self._start_attempt, args=(job,))
+                timer.daemon = True
+                timer.start()
+                return
+        self._finish_job(job, record, None if exc is not None else inner.result(), exc)
+
+    def _finish_job(self, job: _HandshakeJob, record: HandshakeRecord, result: Any,
+                    exc: BaseException | None) -> None:
+        """Update the connection state, then release everyone waiting on the handshake."""
+        eid = job.engine_id
         with self._handshake_lock:
-            if self._handshake_futures.get(eid) is fut:
+            if self._handshake_futures.get(eid) is job.outer:
                 del self._handshake_futures[eid]
                 self._pending_notif_only.pop(eid, None)
-            try:
-                remote_agents, clock_offset = fut.result()
-            except Exception as exc:
+            if exc is not None:
                 self._log_failure(failure_type="handshake_setup_failed", req_id=None,
                                   error=exc, remote_engine_id=eid)
                 self.xfer_stats.record_failed_handshake()
             else:
+                remote_agents, clock_offset = result
                 self._remote_agents[eid] = remote_agents
-                if record.notif_only:
+                if job.notif_only:
                     self._notif_only_engines.add(eid)
                 else:
                     self._notif_only_engines.discard(eid)
@@ -166,15 +235,26 @@ class HandshakeFlow:
                 self._engine_last_active[eid] = time.perf_counter()
                 track = getattr(self, "_track_remote_engine_replacement", None)
                 if track is not None:
-                    track(eid, record.host, record.port)
+                    track(eid, job.host, job.port)
         self._publish_handshake(record)
+        # Outside the lock: vLLM's callbacks on this future call _ensure_handshake.
+        if exc is not None:
+            job.outer.set_exception(exc)
+        else:
+            job.outer.set_result(result)
 
     def _publish_handshake(self, record: HandshakeRecord) -> None:
         try:
             self.xfer_stats.record_handshake(record)
-            self._spans.emit_handshake(record)
-        except Exception:
-            logger.debug("handshake telemetry dropped", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
+        self._spans.emit_handshake(record)
+
+    def _safe_stats(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
 
     def _run_handshake(self, record: HandshakeRecord, remote_dcp_size: int) -> tuple[dict, float]:
         """Executor job: the handshake, with the record active on this thread."""
@@ -275,8 +355,8 @@ class HandshakeFlow:
                 local_regions=len(self.block_len_per_layer) if self.pp_size > 1 else None,
                 local_region_offset=self._remote_region_offset,
             )
-        except Exception:
-            logger.debug("could not size the skipped descriptor work", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.SAVINGS, exc)
             return
         record.saved_registrations += saving.registrations
         record.saved_descriptors += saving.descriptors

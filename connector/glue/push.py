@@ -1,29 +1,142 @@
-"""P-side flow: a matched PUSH_REG until the WRITE completed, observed.
+"""P-side flow: a PUSH_REG from D until the WRITE completed, observed and hardened.
 
-Wrappers at the boundary of vLLM's push worker: they open the request's write span
-under the trace context the PUSH_REG carried, tag the P->D handshake a WRITE starts,
-and count pushes started and failed.
+Wrappers at the boundary of vLLM's push worker:
+- every PUSH_REG is checked (size, msgpack, a map, the fields P acts on with their
+  types) before vLLM acts on it, and handled on its own: a bad one is counted by
+  reason, logged and dropped, and the other notifications of the same batch (other
+  PUSH_REGs, completion notifications) go on as usual (upstream, one bad PUSH_REG
+  raising in the writer's batch loop dropped the rest of the batch);
+- the write span opens under the trace context the PUSH_REG carried;
+- the P->D handshake a WRITE starts is tagged, pushes started/failed are counted.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import time
 from typing import Any
 
+import msgspec
 from opentelemetry.trace import SpanKind
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import ReqMeta
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+    NixlPushConnectorWorker,
+)
 
 from connector.glue.receive import count_blocks
+from connector.telemetry import errors
 from connector.telemetry.span_table import MAX_TRACKED_REQUESTS
-from connector.telemetry.tracing import SpanEmitter, activated, extract_context
-from connector.vocabulary import PUSH_REG_TRACE_KEY, SPAN_PUSH_WRITE, Attr, StatKey, Trigger
+from connector.telemetry.tracing import (
+    SpanEmitter,
+    activated,
+    activated_context,
+    extract_context,
+    peer_str,
+)
+from connector.vocabulary import (
+    MAX_PUSH_REG_BYTES,
+    PUSH_REG_FIELDS,
+    PUSH_REG_TRACE_KEY,
+    SPAN_PUSH_WRITE,
+    Attr,
+    PushRegRejection,
+    StatKey,
+    TelemetryError,
+    Trigger,
+)
 
 logger = logging.getLogger(__name__)
+
+_PUSH_REG_PREFIX = b"PUSH_REG:"
+_XFER_BLOCKS_SIG = inspect.signature(NixlPushConnectorWorker._xfer_blocks)
+
+
+def parse_push_reg(notif: bytes) -> tuple[dict[str, Any] | None, tuple[PushRegRejection, str] | None]:
+    """The decoded PUSH_REG, or why P must not act on it."""
+    body = notif[len(_PUSH_REG_PREFIX):]
+    if len(body) > MAX_PUSH_REG_BYTES:
+        return None, (PushRegRejection.OVERSIZED, f"{len(body)} bytes > {MAX_PUSH_REG_BYTES}")
+    try:
+        reg = msgspec.msgpack.decode(body)
+    except Exception as exc:
+        return None, (PushRegRejection.UNDECODABLE, f"{type(exc).__name__}: {str(exc)[:100]}")
+    if not isinstance(reg, dict):
+        return None, (PushRegRejection.NOT_A_MAP, f"a {type(reg).__name__}")
+    for name, types in PUSH_REG_FIELDS.items():
+        if name not in reg:
+            return None, (PushRegRejection.MISSING_FIELD, name)
+        value = reg[name]
+        if not isinstance(value, types) or isinstance(value, bool):
+            return None, (PushRegRejection.WRONG_TYPE, f"{name} is a {type(value).__name__}")
+    if not _valid_block_ids(reg["local_block_ids"]):
+        return None, (PushRegRejection.WRONG_TYPE, "local_block_ids are not (lists of) block ids")
+    return reg, None
+
+
+def push_reg_problem(notif: bytes) -> tuple[PushRegRejection, str] | None:
+    """Why P must not act on this PUSH_REG notification (None: it is well-formed)."""
+    return parse_push_reg(notif)[1]
+
+
+def _valid_block_ids(block_ids: Any) -> bool:
+    if not block_ids:
+        return True
+    groups = block_ids if isinstance(block_ids[0], list | tuple) else [block_ids]
+    return all(isinstance(g, list | tuple) and all(type(b) is int and b >= 0 for b in g)
+               for g in groups)
 
 
 class PushFlow:
     """Mixin for `NixlPushConnectorWorker`: the prefill side of a push."""
 
+    # --------------------------------------------------------- PUSH_REG intake
+    def _handle_push_reg_notif(self, notif: bytes) -> None:
+        reg, problem = parse_push_reg(notif)
+        if problem is not None:
+            self._reject_push_reg(problem[0], problem[1], notif)
+            return
+        try:
+            super()._handle_push_reg_notif(notif)
+        except Exception as exc:
+            # Already counted as a push failure where it was known; keep the batch going.
+            self._reject_push_reg(PushRegRejection.FAILED, f"{type(exc).__name__}: {exc}", notif,
+                                  exc_info=True)
+            return
+        if self._early_p_to_d and reg["request_id"] in self._pending_d_registrations:
+            self._start_early_handshake(reg)
+
+    def _start_early_handshake(self, reg: dict[str, Any]) -> None:
+        """Start the P->D handshake now, while the prefill still runs.
+
+        The PUSH_REG usually arrives long before P's blocks are ready; upstream the
+        full handshake to a new D only starts at the WRITE, so the first request from
+        every new D paid prefill + handshake + WRITE in series. Started here (on vLLM's
+        handshake executor, the writer never waits), the WRITE path later finds the
+        connection ready or joins this very handshake; if this one fails, the WRITE
+        path tries again as it always did, so no request fails because of it.
+        """
+        try:
+            # Its span sits in the request's trace, under D's register span.
+            parent = extract_context(reg.get(PUSH_REG_TRACE_KEY)) if self._spans.enabled else None
+            with activated_context(parent), self._triggered_by(Trigger.PUSH_REG_EARLY):
+                self._ensure_handshake(reg["decode_engine_id"], reg["decode_host"],
+                                       reg["decode_port"], reg["decode_tp_size"])
+        except Exception:
+            logger.warning("early P->D handshake to %s could not start; the WRITE will start it",
+                           peer_str(reg.get("decode_engine_id")), exc_info=True)
+
+    def _reject_push_reg(self, reason: PushRegRejection, detail: str, notif: bytes,
+                         exc_info: bool = False) -> None:
+        logger.warning("Dropped a PUSH_REG notification (%s: %s; %d bytes, starts %r); other "
+                       "requests are unaffected", reason.value, detail[:200], len(notif),
+                       notif[:64], exc_info=exc_info)
+        try:
+            self.xfer_stats.record_push_reg_rejected(reason.value)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
+
+    # ------------------------------------------------------------ the push
     def _do_start_push_kv(self, request_id: str, local_block_ids: Any,
                           registration_data: dict[str, Any]) -> None:
         span = None
@@ -35,13 +148,41 @@ class PushFlow:
                     parent=extract_context(registration_data.get(PUSH_REG_TRACE_KEY)),
                     kind=SpanKind.CONSUMER,
                     attributes={Attr.REQUEST_ID: request_id,
-                                Attr.REMOTE_REQUEST_ID: str(registration_data.get("request_id", "")),
-                                Attr.REMOTE_ENGINE_ID: str(registration_data.get("decode_engine_id", "")),
+                                Attr.REMOTE_REQUEST_ID: peer_str(registration_data.get("request_id", "")),
+                                Attr.REMOTE_ENGINE_ID: peer_str(
+                                    registration_data.get("decode_engine_id", "")),
                                 Attr.LOCAL_ENGINE_ID: self.engine_id,
                                 Attr.NUM_BLOCKS: count_blocks(local_block_ids)})
                 self._write_spans.put(request_id, span)
+        self._trigger_local.deferred = False
         with activated(span), self._triggered_by(Trigger.PUSH_WRITE):
-            super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+            try:
+                super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+            except Exception as exc:
+                # Upstream this escapes into the writer's batch loop and drops the rest of
+                # the batch. It costs this request only (its lease reclaims the blocks).
+                self._log_failure(failure_type="transfer_setup_failed", req_id=request_id,
+                                  msg="push could not start", error=exc)
+        self._note_handshake_wait(request_id, span, deferred=self._trigger_local.deferred)
+
+    def _note_handshake_wait(self, request_id: str, span: Any, deferred: bool) -> None:
+        """How long this WRITE waited for its P->D handshake (writer thread only).
+
+        vLLM defers a WRITE whose handshake is pending and calls `_do_start_push_kv`
+        again when it is done: the time between the two calls is the wait.
+        """
+        try:
+            if deferred:
+                self._write_deferred_at.setdefault(request_id, time.monotonic())
+                while len(self._write_deferred_at) > MAX_TRACKED_REQUESTS:
+                    self._write_deferred_at.pop(next(iter(self._write_deferred_at)))
+                return
+            started = self._write_deferred_at.pop(request_id, None)
+            waited = 0.0 if started is None else time.monotonic() - started
+            if span is not None and span.is_recording():
+                span.set_attribute(Attr.HANDSHAKE_WAIT, waited)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
 
     def _xfer_blocks_for_req(self, req_id: str, meta: ReqMeta) -> None:
         try:
@@ -53,23 +194,25 @@ class PushFlow:
     def _xfer_blocks(self, *args: Any, **kwargs: Any) -> int | None:
         handle = super()._xfer_blocks(*args, **kwargs)
         # Count here, before the caller publishes the handle: once published, the
-        # main thread may see the WRITE done at any moment.
+        # main thread may see the WRITE done at any moment. Nothing here may raise:
+        # the handle must reach the caller or the request waits for its lease.
         if handle is not None:
-            req_id = kwargs["request_id"] if "request_id" in kwargs else args[2]
-            with self._push_lock:
-                first = req_id not in self._pushing
-                self._pushing.add(req_id)
-            if first:
-                self.xfer_stats.record_push(StatKey.PUSHES_STARTED)
+            try:
+                req_id = _XFER_BLOCKS_SIG.bind(self, *args, **kwargs).arguments["request_id"]
+                with self._push_lock:
+                    first = self._pushing.add(req_id)
+                if first:
+                    self.xfer_stats.record_push(StatKey.PUSHES_STARTED)
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)
         return handle
 
     def _mark_push_failed(self, req_id: str, failure_type: str, message: str) -> None:
-        with self._push_lock:
-            first = req_id not in self._push_failed
-            self._push_failed.add(req_id)
-            if len(self._push_failed) > MAX_TRACKED_REQUESTS:
-                self._push_failed.pop()
-        if first:
-            self.xfer_stats.record_push(StatKey.PUSHES_FAILED)
+        try:
+            with self._push_lock:
+                first = self._push_failed.add(req_id)
+            if first:
+                self.xfer_stats.record_push(StatKey.PUSHES_FAILED)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
         SpanEmitter.end(self._write_spans.pop(req_id), error_type=failure_type, message=message)
-

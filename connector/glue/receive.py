@@ -13,12 +13,14 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
-from connector.telemetry.tracing import SpanEmitter, activated, inject_context
+from connector.telemetry import errors
+from connector.telemetry.tracing import SpanEmitter, activated, inject_context, peer_str
 from connector.vocabulary import (
     PUSH_REG_TRACE_KEY,
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_REGISTER,
     Attr,
+    TelemetryError,
     Trigger,
 )
 
@@ -30,14 +32,20 @@ class ReceiveFlow:
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         if self._spans.enabled and metadata.push_registrations:
-            for req_id, reg in metadata.push_registrations.items():
-                self._receive_spans.put(req_id, self._spans.start(
-                    SPAN_PUSH_RECEIVE, parent=None, kind=SpanKind.CONSUMER,
-                    attributes={Attr.REQUEST_ID: req_id,
-                                Attr.LOCAL_ENGINE_ID: self.engine_id,
-                                Attr.REMOTE_ENGINE_ID: str(reg.get("remote_engine_id", "")),
-                                Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
+            try:
+                self._open_receive_spans(metadata.push_registrations)
+            except Exception as exc:
+                errors.note(TelemetryError.SPAN, exc)
         super().start_load_kv(metadata)
+
+    def _open_receive_spans(self, registrations: dict[str, dict[str, Any]]) -> None:
+        for req_id, reg in registrations.items():
+            self._receive_spans.put(req_id, self._spans.start(
+                SPAN_PUSH_RECEIVE, parent=None, kind=SpanKind.CONSUMER,
+                attributes={Attr.REQUEST_ID: req_id,
+                            Attr.LOCAL_ENGINE_ID: self.engine_id,
+                            Attr.REMOTE_ENGINE_ID: peer_str(reg.get("remote_engine_id", "")),
+                            Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
 
     def _send_heartbeats(self, metadata: NixlConnectorMetadata) -> None:
         with self._triggered_by(Trigger.HEARTBEAT):
@@ -46,22 +54,33 @@ class ReceiveFlow:
     def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
         span = None
         if self._spans.enabled:
-            span = self._register_spans.get(req_id)
-            if span is None:
-                span = self._spans.start(
-                    SPAN_PUSH_REGISTER, parent=self._receive_spans.get(req_id),
-                    kind=SpanKind.PRODUCER,
-                    attributes={Attr.REQUEST_ID: req_id,
-                                Attr.REMOTE_ENGINE_ID: str(reg_data.get("remote_engine_id", "")),
-                                Attr.SERVER_ADDRESS: str(reg_data.get("remote_host", "")),
-                                Attr.SERVER_PORT: int(reg_data.get("remote_port", 0) or 0)})
-                self._register_spans.put(req_id, span)
-            if PUSH_REG_TRACE_KEY not in reg_data:
-                carrier = inject_context(span)
-                if carrier:
-                    reg_data = {**reg_data, PUSH_REG_TRACE_KEY: carrier}
+            try:
+                span, reg_data = self._open_register_span(req_id, reg_data)
+            except Exception as exc:
+                errors.note(TelemetryError.SPAN, exc)
         with activated(span), self._triggered_by(Trigger.PUSH_REG):
             super()._send_registration_to_p(req_id, reg_data)
+
+    def _open_register_span(self, req_id: str,
+                            reg_data: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The register span (reused when re-queued after a handshake) and the PUSH_REG
+        payload with its trace context added."""
+        span = self._register_spans.get(req_id)
+        if span is None:
+            port = reg_data.get("remote_port", 0)
+            span = self._spans.start(
+                SPAN_PUSH_REGISTER, parent=self._receive_spans.get(req_id),
+                kind=SpanKind.PRODUCER,
+                attributes={Attr.REQUEST_ID: req_id,
+                            Attr.REMOTE_ENGINE_ID: peer_str(reg_data.get("remote_engine_id", "")),
+                            Attr.SERVER_ADDRESS: peer_str(reg_data.get("remote_host", "")),
+                            Attr.SERVER_PORT: port if type(port) is int else 0})
+            self._register_spans.put(req_id, span)
+        if PUSH_REG_TRACE_KEY not in reg_data:
+            carrier = inject_context(span)
+            if carrier:
+                reg_data = {**reg_data, PUSH_REG_TRACE_KEY: carrier}
+        return span, reg_data
 
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
         with self._handshake_lock:
@@ -80,8 +99,8 @@ class ReceiveFlow:
                                 message=f"PUSH_REG reached none of {num_agents} agents")
             else:
                 SpanEmitter.end(span)
-        except Exception:
-            logger.debug("PUSH_REG telemetry dropped", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
 
 
 

@@ -17,6 +17,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import logger as vllm_logger
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import ReqMeta
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
@@ -27,10 +29,13 @@ from connector.glue.handshakes import DEFAULT_HANDSHAKE_TIMEOUT_MS, HandshakeFlo
 from connector.glue.nixl_probe import NixlAgentProbe
 from connector.glue.push import PushFlow
 from connector.glue.receive import ReceiveFlow
-from connector.telemetry.span_table import SpanTable
+from connector.glue.retry import RetryPolicy
+from connector.telemetry import errors
+from connector.telemetry.in_flight import InFlight
+from connector.telemetry.span_table import BoundedIdSet, SpanTable
 from connector.telemetry.stats import ObservedNixlStats
 from connector.telemetry.tracing import SpanEmitter, resolve_tracer
-from connector.vocabulary import StatKey
+from connector.vocabulary import StatKey, TelemetryError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,17 +73,56 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnector
         self._register_spans = SpanTable()  # D: registration until PUSH_REG sent
         self._write_spans = SpanTable()  # P: PUSH_REG matched until WRITE done
         self._push_lock = threading.Lock()
-        self._pushing: set[str] = set()  # P: WRITEs posted, not yet reported done
-        self._push_failed: set[str] = set()
+        self._pushing = BoundedIdSet()  # P: WRITEs posted, not yet reported done
+        self._push_failed = BoundedIdSet()
+        self._retry_policy = RetryPolicy.from_extra_config(extra)
+        # P: start the P->D handshake when D's PUSH_REG arrives (see push.py).
+        self._early_p_to_d = str(extra("early_p_to_d_handshake", True)).lower() not in ("false", "0")
+        self._write_deferred_at: dict[str, float] = {}
+        self._in_flight = InFlight()
 
+    # ------------------------------------------------------------------ stats
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """vLLM's per-step stats, plus the in-flight handshakes and telemetry faults."""
+        try:
+            snapshot = self._in_flight.snapshot()
+            if snapshot is not None:
+                self.xfer_stats.set_in_flight(snapshot)
+            lost = errors.drain()
+            if lost:
+                self.xfer_stats.record_telemetry_errors(lost)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
+        return super().get_kv_connector_stats()
+
+    # ------------------------------------------------------------- failures
     def _log_failure(self, failure_type: str, req_id: str | None, msg: str = "",
                      error: BaseException | None = None, meta: ReqMeta | None = None,
                      **extra_context: Any) -> None:
-        super()._log_failure(failure_type, req_id, msg, error, meta, **extra_context)
+        """vLLM's structured failure line, then our accounting.
+
+        Written here rather than calling vLLM's: its line uses `stacklevel=2` to name
+        the code that failed, and a wrapper around it would make every failure line
+        point at this file instead. Same logger, message and context keys as vLLM's.
+        """
+        context: dict[str, Any] = {"failure_type": failure_type, "request_id": req_id,
+                                   "engine_id": self.engine_id}
+        if meta is None and req_id is not None:
+            meta = self._recving_metadata.get(req_id)
+        remote = getattr(meta, "remote", None)
+        if remote is not None:
+            context.update(remote_engine_id=remote.engine_id, remote_request_id=remote.request_id,
+                           remote_host=remote.host, remote_port=remote.port,
+                           num_local_blocks=sum(len(g) for g in meta.local_block_ids),
+                           num_remote_blocks=sum(len(g) for g in remote.block_ids))
+        context.update(extra_context)
+        vllm_logger.error("NIXL transfer failure: %s | Context: %s",
+                          f"{failure_type}. {msg}" if msg else failure_type, context,
+                          exc_info=error is not None, stacklevel=2)
         try:
             self._account_failure(failure_type, req_id, error or msg)
-        except Exception:
-            logger.debug("failure telemetry dropped", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
 
     def _account_failure(self, failure_type: str, req_id: str | None, why: Any) -> None:
         if failure_type == "push_reg_notif_failed":
@@ -97,8 +141,8 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnector
         results = super().get_transfer_results()
         try:
             self._account_results(results)
-        except Exception:
-            logger.debug("transfer-result telemetry dropped", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
         return results
 
     def _account_results(self, results: KVConnectorTransferResults) -> None:

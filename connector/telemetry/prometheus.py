@@ -8,9 +8,10 @@ labels; we add only the closed label sets from the vocabulary.
 from __future__ import annotations
 
 import logging
+from collections import Counter as Counter_
 from typing import Any
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlPromMetrics
 
 from connector import vocabulary as V
@@ -57,15 +58,28 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._child(V.PUSH_REG_NOTIFS, idx, outcome.value)
             for event in V.PushEvent:
                 self._child(V.PUSHES, idx, event.value)
+            for direction in V.Direction:
+                self._child(V.HANDSHAKE_RETRIES, idx, direction.value)
+                self._child(V.HANDSHAKE_OLDEST_IN_FLIGHT, idx, direction.value).set(0)
+                for notif in (True, False):
+                    self._child(V.HANDSHAKES_IN_FLIGHT, idx, direction.value, bool_label(notif)).set(0)
+            for reason in V.PushRegRejection:
+                self._child(V.PUSH_REG_REJECTED, idx, reason.value)
+            for lost in V.TelemetryError:
+                self._child(V.TELEMETRY_ERRORS, idx, lost.value)
 
     def _make(self, spec: MetricSpec, base_labels: list[str]) -> Any:
         labels = base_labels + list(spec.labels)
         if spec.kind is MetricKind.COUNTER:
             return self._counter_cls(name=spec.name, documentation=spec.help, labelnames=labels)
+        if spec.kind is MetricKind.GAUGE:
+            # Engine-level values (summed over workers before they get here).
+            return self._gauge_cls(name=spec.name, documentation=spec.help, labelnames=labels,
+                                   multiprocess_mode="mostrecent")
         return self._histogram_cls(name=spec.name, documentation=spec.help,
                                    labelnames=labels, buckets=list(spec.buckets))
 
-    def _child(self, spec: MetricSpec, engine_idx: int, *values: str) -> Counter | Histogram:
+    def _child(self, spec: MetricSpec, engine_idx: int, *values: str) -> Counter | Gauge | Histogram:
         base = self.per_engine_labelvalues[engine_idx]
         return self._ours[spec.name].labels(*base, *values)
 
@@ -74,10 +88,17 @@ class ObservedPromMetrics(NixlPromMetrics):
         super().observe(transfer_stats_data, engine_idx)
         self._observe_ours(transfer_stats_data, engine_idx)
 
-    def _drop(self, what: str, record: Any) -> None:
+    def _drop(self, what: str, record: Any, idx: int) -> None:
         self.dropped_records += 1
-        logger.warning("dropping malformed NIXL %s stats record (%d dropped so far): %.200r",
-                       what, self.dropped_records, record)
+        first = self.dropped_records == 1
+        (logger.warning if first else logger.debug)(
+            "dropping malformed NIXL %s stats record (%d dropped so far; all are counted in "
+            "vllm:nixl_telemetry_errors_total{reason=\"malformed_record\"}): %.200r",
+            what, self.dropped_records, record)
+        try:
+            self._child(V.TELEMETRY_ERRORS, idx, V.TelemetryError.MALFORMED_RECORD.value).inc()
+        except Exception:  # pragma: no cover - the engine index itself is unknown
+            logger.debug("could not count a dropped record", exc_info=True)
 
     def _observe_ours(self, data: dict[str, Any], idx: int) -> None:
         # A malformed record is dropped (counted, logged); the rest are observed.
@@ -85,7 +106,7 @@ class ObservedPromMetrics(NixlPromMetrics):
             try:
                 self._observe_handshake(hs, idx)
             except Exception:
-                self._drop("handshake", hs)
+                self._drop("handshake", hs, idx)
         counts = (
             (StatKey.PUSH_REG_SENT, V.PUSH_REG_NOTIFS, V.NotifOutcome.SENT.value),
             (StatKey.PUSH_REG_FAILED, V.PUSH_REG_NOTIFS, V.NotifOutcome.FAILED.value),
@@ -100,7 +121,48 @@ class ObservedPromMetrics(NixlPromMetrics):
             try:
                 self._child(spec, idx, label).inc(sum(values))
             except Exception:
-                self._drop(key, values)
+                self._drop(key, values, idx)
+        labelled = (
+            (StatKey.HANDSHAKE_RETRIES, V.HANDSHAKE_RETRIES, V.Direction),
+            (StatKey.PUSH_REG_REJECTED, V.PUSH_REG_REJECTED, V.PushRegRejection),
+            (StatKey.TELEMETRY_ERRORS, V.TELEMETRY_ERRORS, V.TelemetryError),
+        )
+        for key, spec, closed in labelled:
+            values = data.get(key)
+            if not values:
+                continue
+            try:
+                tally = Counter_(closed(v).value for v in values)  # validates every value first
+            except Exception:
+                self._drop(key, values, idx)
+                continue
+            for label, n in tally.items():
+                self._child(spec, idx, label).inc(n)
+        snapshots = data.get(StatKey.IN_FLIGHT)
+        if snapshots:
+            try:
+                self._observe_in_flight(snapshots, idx)
+            except Exception:
+                self._drop(StatKey.IN_FLIGHT, snapshots, idx)
+
+    def _observe_in_flight(self, snapshots: list[dict[str, list[float]]], idx: int) -> None:
+        """Sum the workers' snapshots of one step; every series not reported is 0."""
+        counts: dict[tuple[str, str], int] = {}
+        oldest: dict[str, float] = {}
+        for snap in snapshots:
+            for key, (count, age) in snap.items():
+                direction, notif = key.split("|")
+                direction = V.Direction(direction).value
+                if notif not in V.BOOL_VALUES or count < 0 or age < 0:
+                    raise ValueError(f"bad in-flight entry {key}")
+                counts[(direction, notif)] = counts.get((direction, notif), 0) + int(count)
+                oldest[direction] = max(oldest.get(direction, 0.0), float(age))
+        for direction in V.Direction:
+            self._child(V.HANDSHAKE_OLDEST_IN_FLIGHT, idx, direction.value).set(
+                oldest.get(direction.value, 0.0))
+            for notif in V.BOOL_VALUES:
+                self._child(V.HANDSHAKES_IN_FLIGHT, idx, direction.value, notif).set(
+                    counts.get((direction.value, notif), 0))
 
     def _observe_handshake(self, hs: dict[str, Any], idx: int) -> None:
         # Validate everything first so a bad record is dropped whole, never half-counted.

@@ -83,6 +83,7 @@ class HandshakeRecord:
     local_tp_rank: int
     local_engine_id: str = ""
     upgrade: bool = False
+    attempt: int = 1
     submitted_ns: int = field(default_factory=time.time_ns)
     ended_ns: int = 0
     segments: list[PhaseSegment] = field(default_factory=list)
@@ -167,6 +168,7 @@ class HandshakeRecord:
             "trigger": self.trigger.value,
             "notif_only": self.notif_only,
             "upgrade": self.upgrade,
+            "attempt": self.attempt,
             "outcome": (self.outcome or Outcome.FAILURE).value,
             "error_type": self.error_type.value if self.error_type else None,
             "failed_phase": self.failed_phase.value if self.failed_phase else None,

@@ -2,16 +2,20 @@
 
 The D-side receive and register spans and the P-side write span start on one thread
 (main or writer) and end on another, when vLLM reports the transfer done. The table
-is bounded: past `MAX_TRACKED_REQUESTS` the oldest entries are ended and dropped.
+is bounded: past its limit the oldest entries are ended (`error.type=abandoned`),
+dropped and counted. A request id registered again ends the span it replaces
+(`error.type=superseded`) instead of leaking it.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
+from collections import OrderedDict
 from typing import Any
 
+from connector.telemetry import errors
 from connector.telemetry.tracing import SpanEmitter
+from connector.vocabulary import TelemetryError
 
 # Bound on per-request telemetry state; beyond it the oldest entries are dropped.
 MAX_TRACKED_REQUESTS = 65536
@@ -20,18 +24,24 @@ MAX_TRACKED_REQUESTS = 65536
 class SpanTable:
     """Request id -> open span, bounded and thread-safe (main + writer threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_TRACKED_REQUESTS) -> None:
         self._lock = threading.Lock()
-        self._spans: dict[str, Any] = {}
+        self._spans: OrderedDict[str, Any] = OrderedDict()
+        self._limit = limit
 
     def put(self, req_id: str, span: Any) -> None:
         if span is None:
             return
         with self._lock:
+            replaced = self._spans.pop(req_id, None)
             self._spans[req_id] = span
-            overflow = len(self._spans) - MAX_TRACKED_REQUESTS
-            dropped = [self._spans.pop(k) for k in list(itertools.islice(self._spans, max(0, overflow)))]
+            dropped = [self._spans.popitem(last=False)[1]
+                       for _ in range(max(0, len(self._spans) - self._limit))]
+        if replaced is not None and replaced is not span:
+            SpanEmitter.end(replaced, error_type="superseded",
+                            message="request registered again before this span ended")
         for old in dropped:
+            errors.note(TelemetryError.TABLE_FULL, "open request spans", exc_info=False)
             SpanEmitter.end(old, error_type="abandoned", message="telemetry table full")
 
     def get(self, req_id: str) -> Any:
@@ -42,3 +52,32 @@ class SpanTable:
         with self._lock:
             return self._spans.pop(req_id, None)
 
+    def __len__(self) -> int:
+        return len(self._spans)
+
+
+class BoundedIdSet:
+    """Insertion-ordered set of request ids; past its limit the OLDEST is dropped."""
+
+    def __init__(self, limit: int = MAX_TRACKED_REQUESTS) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._limit = limit
+
+    def add(self, req_id: str) -> bool:
+        """Add; True when it was not there. Caller holds its own lock."""
+        if req_id in self._ids:
+            return False
+        self._ids[req_id] = None
+        while len(self._ids) > self._limit:
+            self._ids.popitem(last=False)
+            errors.note(TelemetryError.TABLE_FULL, "tracked push ids", exc_info=False)
+        return True
+
+    def discard(self, req_id: str) -> None:
+        self._ids.pop(req_id, None)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)

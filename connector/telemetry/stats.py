@@ -3,10 +3,19 @@
 It travels exactly like the stock object (worker `get_kv_connector_stats()` ->
 aggregation across TP/PP workers -> `to_dict()` in SchedulerStats -> rebuilt in the
 API server with `build_kv_connector_stats`), so every field stays msgpack-friendly.
+
+Thread safety: the writer and handshake threads record while the engine's main
+thread takes the interval's stats with `clone_and_reset()`. The interval's dict is
+swapped for a complete new one under a process-wide lock, never emptied in place,
+and our `record_*` methods append under the same lock, so a record lands in exactly
+one interval and can never hit a half-built dict. (The lock is module-level, not an
+attribute: the stats object is pickled between processes.)
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 from typing import Any
 
 import numpy as np
@@ -15,6 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 
 from connector.telemetry.record import HandshakeRecord
 from connector.vocabulary import OUR_STAT_KEYS, StatKey
+
+_LOCK = threading.RLock()
 
 
 class ObservedNixlStats(NixlKVConnectorStats):
@@ -27,19 +38,46 @@ class ObservedNixlStats(NixlKVConnectorStats):
             self.data.setdefault(key, [])
 
     def reset(self) -> None:
-        super().reset()
-        for key in OUR_STAT_KEYS:
-            self.data[key] = []
+        with _LOCK:
+            super().reset()  # binds a new dict; the old one belongs to the clone
+            self.data.update({key: [] for key in OUR_STAT_KEYS})
 
-    # -- recording (worker threads; list.append is atomic under the GIL) -------
+    def clone_and_reset(self) -> ObservedNixlStats:
+        with _LOCK:
+            old = copy.copy(self)
+            self.reset()
+        return old
+
+    # -- recording (writer, handshake and main threads) ---------------------
+    def _append(self, key: str, value: Any) -> None:
+        with _LOCK:
+            self.data.setdefault(key, []).append(value)
+
     def record_handshake(self, record: HandshakeRecord) -> None:
-        self.data[StatKey.HANDSHAKES].append(record.to_stats())
+        self._append(StatKey.HANDSHAKES, record.to_stats())
 
     def record_push_reg_notif(self, sent: bool) -> None:
-        self.data[StatKey.PUSH_REG_SENT if sent else StatKey.PUSH_REG_FAILED].append(1)
+        self._append(StatKey.PUSH_REG_SENT if sent else StatKey.PUSH_REG_FAILED, 1)
 
     def record_push(self, key: str) -> None:
-        self.data[key].append(1)
+        self._append(key, 1)
+
+    def record_retry(self, direction: str) -> None:
+        self._append(StatKey.HANDSHAKE_RETRIES, direction)
+
+    def record_push_reg_rejected(self, reason: str) -> None:
+        self._append(StatKey.PUSH_REG_REJECTED, reason)
+
+    def record_telemetry_errors(self, reasons: dict[str, int]) -> None:
+        with _LOCK:
+            bucket = self.data.setdefault(StatKey.TELEMETRY_ERRORS, [])
+            for reason, n in reasons.items():
+                bucket.extend([reason] * n)
+
+    def set_in_flight(self, snapshot: dict[str, list[float]]) -> None:
+        """This worker's unfinished handshakes now: {"dir|notif": [count, oldest_s]}."""
+        with _LOCK:
+            self.data[StatKey.IN_FLIGHT] = [snapshot]
 
     # -- vLLM's contract ---------------------------------------------------------
     def is_empty(self) -> bool:
@@ -58,9 +96,13 @@ class ObservedNixlStats(NixlKVConnectorStats):
         return self.data.get(StatKey.HANDSHAKES, [])
 
     def reduce(self) -> dict[str, int | float]:
-        """The stock "KV Transfer metrics" log line, extended with handshakes."""
+        """The stock "KV Transfer metrics" log line, extended with handshakes.
+
+        vLLM's logging path calls this in the API server: a malformed record from a
+        peer build is skipped here (the Prometheus side counts it), never raised.
+        """
         out = dict(super().reduce())
-        hs = self.handshakes
+        hs = [h for h in self.handshakes if _well_formed(h)]
         if not hs:
             out["Num handshakes"] = 0
             return out
@@ -74,10 +116,21 @@ class ObservedNixlStats(NixlKVConnectorStats):
                 "Full D->P handshakes": sum(not h["notif_only"] for h in d_to_p),
                 "Avg handshake time (ms)": round(float(durations.mean()) * 1e3, 3),
                 "P90 handshake time (ms)": round(float(np.percentile(durations, 90)) * 1e3, 3),
-                "Descriptor regs saved": sum(h["saved_registrations"] for h in hs),
-                "Descriptors saved": sum(h["saved_descriptors"] for h in hs),
+                "Descriptor regs saved": sum(int(h.get("saved_registrations") or 0) for h in hs),
+                "Descriptors saved": sum(int(h.get("saved_descriptors") or 0) for h in hs),
                 "PUSH_REG sent": len(self.data.get(StatKey.PUSH_REG_SENT, [])),
                 "Pushes completed": len(self.data.get(StatKey.PUSHES_COMPLETED, [])),
             }
         )
         return out
+
+
+def _well_formed(h: Any) -> bool:
+    try:
+        return (isinstance(h, dict) and isinstance(h["duration"], int | float)
+                and h["direction"] in ("d_to_p", "p_to_d") and "outcome" in h
+                and "notif_only" in h
+                and all(isinstance(h.get(k) or 0, int)
+                        for k in ("saved_registrations", "saved_descriptors")))
+    except Exception:
+        return False

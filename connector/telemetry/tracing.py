@@ -23,8 +23,17 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from connector.telemetry import errors
 from connector.telemetry.record import HandshakeRecord
-from connector.vocabulary import SPAN_HANDSHAKE, TRACER_NAME, Attr, Outcome, phase_span_name
+from connector.vocabulary import (
+    MAX_PEER_STRING,
+    SPAN_HANDSHAKE,
+    TRACER_NAME,
+    Attr,
+    Outcome,
+    TelemetryError,
+    phase_span_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +115,8 @@ def inject_context(span: Any) -> dict[str, str]:
         return carrier
     try:
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-    except Exception:
-        logger.debug("trace context inject failed", exc_info=True)
+    except Exception as exc:
+        errors.note(TelemetryError.SPAN, exc)
     return carrier
 
 
@@ -115,14 +124,30 @@ def extract_context(carrier: Any) -> Any:
     """Context from a carrier dict; None for a missing or malformed carrier."""
     if not isinstance(carrier, Mapping) or not carrier:
         return None
+    if len(carrier) > 8:
+        errors.note(TelemetryError.TRACE_CONTEXT, f"{len(carrier)} keys", exc_info=False)
+        return None
     try:
-        clean = {str(k): str(v) for k, v in carrier.items()}
+        # A peer controls this: keep only the W3C keys, at their real sizes.
+        clean = {k: v for k, v in carrier.items()
+                 if k in ("traceparent", "tracestate") and isinstance(v, str)
+                 and len(v) <= (64 if k == "traceparent" else 512)}
+        if "traceparent" not in clean:
+            errors.note(TelemetryError.TRACE_CONTEXT, "no usable traceparent", exc_info=False)
+            return None
         ctx = _PROPAGATOR.extract(clean)
         if trace.get_current_span(ctx).get_span_context().is_valid:
             return ctx
-    except Exception:
-        logger.debug("trace context extract failed", exc_info=True)
+        errors.note(TelemetryError.TRACE_CONTEXT, "invalid traceparent", exc_info=False)
+    except Exception as exc:
+        errors.note(TelemetryError.TRACE_CONTEXT, exc, exc_info=False)
     return None
+
+
+def peer_str(value: Any) -> str:
+    """A peer-sent value as a bounded span attribute (peers are unauthenticated)."""
+    text = value if isinstance(value, str) else str(value)
+    return text[:MAX_PEER_STRING]
 
 
 @contextmanager
@@ -132,6 +157,19 @@ def activated(span: Any) -> Iterator[None]:
         yield
         return
     token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+@contextmanager
+def activated_context(ctx: Any) -> Iterator[None]:
+    """Make an extracted context current on this thread (no-op for None)."""
+    if ctx is None:
+        yield
+        return
+    token = otel_context.attach(ctx)
     try:
         yield
     finally:
@@ -158,8 +196,8 @@ class SpanEmitter:
                 parent = trace.set_span_in_context(parent)
             return self.tracer.start_span(name, context=parent, kind=kind,
                                           attributes=dict(attributes or {}))
-        except Exception:
-            logger.debug("span start failed", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
             return None
 
     @staticmethod
@@ -175,8 +213,8 @@ class SpanEmitter:
                     span.set_attribute(Attr.ERROR_TYPE, error_type)
                     span.set_status(Status(StatusCode.ERROR, message[:300] or error_type))
             span.end()
-        except Exception:
-            logger.debug("span end failed", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
 
     def emit_handshake(self, record: HandshakeRecord) -> None:
         """One handshake span plus one child per phase segment, with real times."""
@@ -184,8 +222,8 @@ class SpanEmitter:
             return
         try:
             self._emit_handshake(record)
-        except Exception:
-            logger.debug("handshake span emission failed", exc_info=True)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
 
     def _emit_handshake(self, record: HandshakeRecord) -> None:
         assert self.tracer is not None
@@ -196,6 +234,7 @@ class SpanEmitter:
             Attr.TRIGGER: record.trigger.value,
             Attr.OUTCOME: (record.outcome or Outcome.FAILURE).value,
             Attr.UPGRADE: record.upgrade,
+            Attr.ATTEMPT: record.attempt,
             Attr.REMOTE_ENGINE_ID: record.remote_engine_id,
             Attr.LOCAL_ENGINE_ID: record.local_engine_id,
             Attr.SERVER_ADDRESS: record.host,

@@ -35,10 +35,12 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
         "kind": span.kind.name,
         "attributes": dict(span.attributes or {}),
         "status": span.status.status_code.name,
+        "status_description": span.status.description or "",
         "start": span.start_time,
         "end": span.end_time,
         "service": (span.resource.attributes or {}).get("service.name"),
         "events": [e.name for e in span.events],
+        "links": [format(link.context.span_id, "016x") for link in span.links],
     }
 
 

@@ -1,0 +1,251 @@
+"""Narrow tests of the reliability fixes: thread-safe stats, bounded state, PUSH_REG
+validation, retry policy, counted telemetry faults, in-flight gauges, vLLM's log line.
+
+Real-engine behaviour (retries over a real stalled side channel, bad PUSH_REGs through
+real NIXL, hung handshakes on the gauge) is in tests/test_reliability_real.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import msgspec
+import pytest
+
+from connector.glue.push import push_reg_problem
+from connector.glue.retry import RetryPolicy
+from connector.telemetry import errors
+from connector.telemetry.in_flight import InFlight
+from connector.telemetry.record import HandshakeRecord
+from connector.telemetry.span_table import BoundedIdSet, SpanTable
+from connector.telemetry.stats import ObservedNixlStats
+from connector.vocabulary import (
+    MAX_PUSH_REG_BYTES,
+    Direction,
+    ErrorType,
+    PushRegRejection,
+    StatKey,
+    TelemetryError,
+    Trigger,
+)
+from tests.test_stats_and_prometheus import frontend
+
+
+def a_record(direction: Direction = Direction.D_TO_P, notif_only: bool = True) -> HandshakeRecord:
+    return HandshakeRecord(direction=direction, trigger=Trigger.HEARTBEAT, notif_only=notif_only,
+                           remote_engine_id="p", host="127.0.0.1", port=1, remote_tp_size=1,
+                           remote_pp_size=1, local_tp_rank=0)
+
+
+# ---------------------------------------------------------------- stats under threads
+def test_records_survive_resets_at_full_speed_and_land_exactly_once():
+    """The writer records while the main thread takes intervals as fast as it can.
+
+    Before the fix, reset() left `data` without our keys for a moment and
+    record_push raised KeyError inside _xfer_blocks (a lost WRITE handle).
+    """
+    stats = ObservedNixlStats()
+    n_writes = 50_000
+    errors_seen: list[BaseException] = []
+    done = threading.Event()
+
+    def writer() -> None:
+        try:
+            for i in range(n_writes):
+                stats.record_push(StatKey.PUSHES_STARTED)
+                if i % 100 == 0:
+                    stats.record_retry("p_to_d")
+        except BaseException as exc:  # the bug under test
+            errors_seen.append(exc)
+        finally:
+            done.set()
+
+    intervals: list[ObservedNixlStats] = []
+    thread = threading.Thread(target=writer)
+    thread.start()
+    while not done.is_set():
+        intervals.append(stats.clone_and_reset())
+    thread.join()
+    intervals.append(stats.clone_and_reset())
+    assert errors_seen == []
+    assert len(intervals) > 10  # the race was really exercised
+    assert sum(len(s.data[StatKey.PUSHES_STARTED]) for s in intervals) == n_writes
+    assert sum(len(s.data[StatKey.HANDSHAKE_RETRIES]) for s in intervals) == n_writes // 100
+
+
+# ------------------------------------------------------------------- bounded state
+class FakeSpan:
+    def __init__(self) -> None:
+        self.ended_with: str | None = "open"
+
+    def is_recording(self) -> bool:
+        return self.ended_with == "open"
+
+    def set_attributes(self, _attrs) -> None: ...
+
+    def set_attribute(self, key, value) -> None:
+        if key == "error.type":
+            self.ended_with = value
+
+    def set_status(self, _status) -> None: ...
+
+    def end(self) -> None:
+        if self.ended_with == "open":
+            self.ended_with = None
+
+
+def test_registering_again_ends_the_span_it_replaces():
+    table = SpanTable()
+    first, second = FakeSpan(), FakeSpan()
+    table.put("req", first)
+    table.put("req", second)
+    assert first.ended_with == "superseded"
+    assert table.pop("req") is second and second.ended_with == "open"
+
+
+def test_span_table_drops_and_ends_the_oldest_past_its_bound():
+    errors.reset_for_tests()
+    table = SpanTable(limit=3)
+    spans = [FakeSpan() for _ in range(5)]
+    for i, span in enumerate(spans):
+        table.put(f"r{i}", span)
+    assert [s.ended_with for s in spans] == ["abandoned", "abandoned", "open", "open", "open"]
+    assert len(table) == 3
+    assert errors.drain() == {TelemetryError.TABLE_FULL.value: 2}
+
+
+def test_bounded_id_set_forgets_the_oldest_not_an_arbitrary_one():
+    ids = BoundedIdSet(limit=3)
+    for i in range(5):
+        assert ids.add(f"r{i}") is True
+    assert ids.add("r4") is False
+    assert [f"r{i}" in ids for i in range(5)] == [False, False, True, True, True]
+    errors.reset_for_tests()
+
+
+# ------------------------------------------------------------ PUSH_REG validation
+def push_reg(payload: object) -> bytes:
+    return b"PUSH_REG:" + msgspec.msgpack.encode(payload)
+
+
+GOOD = {"request_id": "cmpl-1", "decode_engine_id": "d", "decode_host": "127.0.0.1",
+        "decode_port": 5600, "decode_tp_size": 1, "local_block_ids": [[1, 2]]}
+
+
+@pytest.mark.parametrize(("notif", "reason"), [
+    (push_reg(GOOD), None),
+    (push_reg({**GOOD, "local_block_ids": [3, 4]}), None),  # flat single group
+    (push_reg({**GOOD, "otel_trace_context": "garbage"}), None),  # extra keys are not ours to judge
+    (b"PUSH_REG:\xc1\xff", PushRegRejection.UNDECODABLE),
+    (push_reg([1, 2, 3]), PushRegRejection.NOT_A_MAP),
+    (push_reg({k: v for k, v in GOOD.items() if k != "decode_host"}), PushRegRejection.MISSING_FIELD),
+    (push_reg({**GOOD, "decode_port": "5600"}), PushRegRejection.WRONG_TYPE),
+    (push_reg({**GOOD, "decode_tp_size": True}), PushRegRejection.WRONG_TYPE),
+    (push_reg({**GOOD, "local_block_ids": [["a"]]}), PushRegRejection.WRONG_TYPE),
+    (push_reg({**GOOD, "local_block_ids": [[-1]]}), PushRegRejection.WRONG_TYPE),
+    (b"PUSH_REG:" + b"\x00" * (MAX_PUSH_REG_BYTES + 1), PushRegRejection.OVERSIZED),
+])
+def test_push_reg_problems(notif: bytes, reason: PushRegRejection | None):
+    problem = push_reg_problem(notif)
+    assert (problem[0] if problem else None) == reason
+
+
+# ---------------------------------------------------------------------- retries
+def test_retry_policy_retries_only_transient_errors_within_budget():
+    policy = RetryPolicy(retries=3, backoff_s=0.5, budget_s=20.0)
+    far = time.monotonic() + 100
+    assert [policy.delay(a, ErrorType.TIMEOUT, far) for a in (1, 2, 3, 4)] == [0.5, 1.0, 2.0, None]
+    assert policy.delay(1, ErrorType.UNREACHABLE, far) == 0.5
+    for permanent in (ErrorType.COMPAT_HASH_MISMATCH, ErrorType.ENGINE_ID_MISMATCH,
+                      ErrorType.DECODE_ERROR, ErrorType.NIXL_ERROR, ErrorType.OTHER, None):
+        assert policy.delay(1, permanent, far) is None
+    assert policy.delay(1, ErrorType.TIMEOUT, time.monotonic() + 0.1) is None  # past the budget
+    assert RetryPolicy.from_extra_config({"handshake_retries": 0}.get).delay(
+        1, ErrorType.TIMEOUT, far) is None
+    with pytest.raises(ValueError, match="must be >= 0"):
+        RetryPolicy.from_extra_config({"handshake_retries": -1}.get)
+
+
+# -------------------------------------------------------- counted telemetry faults
+def test_first_fault_of_each_reason_is_a_warning_and_all_are_counted(caplog):
+    errors.reset_for_tests()
+    with caplog.at_level(logging.DEBUG, logger="connector.telemetry"):
+        for _ in range(3):
+            errors.note(TelemetryError.SAVINGS, "boom", exc_info=False)
+        errors.note(TelemetryError.SPAN, "bad span", exc_info=False)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage().split(" (")[0] for r in warnings] == [
+        "NIXL push telemetry: savings_failed", "NIXL push telemetry: span_failed"]
+    assert errors.drain() == {"savings_failed": 3, "span_failed": 1}
+    assert errors.drain() == {}
+
+
+def test_telemetry_faults_and_rejections_reach_metrics():
+    fe = frontend()
+    stats = ObservedNixlStats()
+    stats.record_telemetry_errors({"savings_failed": 2})
+    stats.record_push_reg_rejected("undecodable")
+    stats.record_retry("p_to_d")
+    fe.observe([stats.to_dict()])
+    assert fe.sample("vllm:nixl_telemetry_errors_total", {"reason": "savings_failed"}) == 2
+    assert fe.sample("vllm:nixl_push_reg_rejected_total", {"reason": "undecodable"}) == 1
+    assert fe.sample("vllm:nixl_handshake_retries_total", {"direction": "p_to_d"}) == 1
+    # A malformed record is dropped whole and counted as a telemetry error, not lost silently.
+    bad = ObservedNixlStats().to_dict()
+    bad[StatKey.HANDSHAKES] = [{"direction": "sideways"}]
+    bad[StatKey.PUSH_REG_REJECTED] = ["not-a-reason"]
+    fe.observe([bad])
+    assert fe.sample("vllm:nixl_telemetry_errors_total", {"reason": "malformed_record"}) == 2
+    assert fe.sample("vllm:nixl_push_reg_rejected_total", {"reason": "undecodable"}) == 1
+
+
+# ------------------------------------------------------------------ in flight
+def test_in_flight_snapshots_sum_over_workers_and_return_to_zero():
+    flight = InFlight()
+    assert flight.snapshot() is None  # nothing open, nothing reported yet: no stats noise
+    a, b = a_record(), a_record(Direction.P_TO_D, notif_only=False)
+    a.submitted_ns -= 3_000_000_000
+    flight.add(a)
+    flight.add(b)
+    snap = flight.snapshot()
+    assert snap["d_to_p|true"][0] == 1 and snap["d_to_p|true"][1] >= 3.0
+    assert snap["p_to_d|false"][0] == 1
+    fe = frontend()
+    worker0, worker1 = ObservedNixlStats(), ObservedNixlStats()
+    worker0.set_in_flight(snap)
+    worker1.set_in_flight({"d_to_p|true": [2, 1.0]})
+    fe.observe([worker0.aggregate(worker1).to_dict()])
+    assert fe.sample("vllm:nixl_handshakes_in_flight",
+                     {"direction": "d_to_p", "notif_agents_only": "true"}) == 3
+    assert fe.sample("vllm:nixl_handshake_oldest_in_flight_seconds", {"direction": "d_to_p"}) >= 3.0
+    flight.discard(a)
+    flight.discard(b)
+    assert flight.snapshot() == {}  # once more, so the gauge goes back to 0 ...
+    assert flight.snapshot() is None  # ... then quiet again
+    zero = ObservedNixlStats()
+    zero.set_in_flight({})
+    fe.observe([zero.to_dict()])
+    assert fe.sample("vllm:nixl_handshakes_in_flight",
+                     {"direction": "d_to_p", "notif_agents_only": "true"}) == 0
+    assert fe.sample("vllm:nixl_handshake_oldest_in_flight_seconds", {"direction": "d_to_p"}) == 0
+
+
+# ------------------------------------------------------------ vLLM's failure line
+def test_failure_log_line_points_at_the_code_that_failed(caplog):
+    from connector.glue.worker import ObservedPushWorker
+
+    w = object.__new__(ObservedPushWorker)
+    w.engine_id, w._recving_metadata, w._kv_role = "me", {}, "kv_consumer"
+    w._trigger_local = threading.local()
+
+    def the_failing_call_site() -> None:
+        w._log_failure(failure_type="transfer_failed", req_id=None, msg="boom")
+
+    with caplog.at_level(logging.ERROR):
+        the_failing_call_site()
+    [rec] = [r for r in caplog.records if "NIXL transfer failure" in r.getMessage()]
+    assert rec.funcName == "the_failing_call_site" and rec.pathname == __file__
+    assert rec.name.startswith("vllm.distributed.kv_transfer")
+    assert "transfer_failed. boom" in rec.getMessage()
