@@ -414,7 +414,18 @@ OUR_STAT_KEYS = (
     StatKey.IN_FLIGHT,
 )
 
-<<<<<<< HEAD
+# PUSH_REG fields P acts on, with the types it needs (validated before use).
+PUSH_REG_FIELDS: dict[str, tuple[type, ...]] = {
+    "request_id": (str,),
+    "decode_engine_id": (str,),
+    "decode_host": (str,),
+    "decode_port": (int,),
+    "decode_tp_size": (int,),
+    "local_block_ids": (list, tuple),
+}
+# Bounds on what a peer controls (the side channel and PUSH_REG are unauthenticated).
+MAX_PUSH_REG_BYTES = 1 << 20  # a PUSH_REG with 1M block ids is far past any real request
+MAX_PEER_STRING = 256  # engine ids, hosts, request ids kept on spans or in logs
 
 # ------------------------------------------------------------------ router (connector.router)
 ROUTER_TRACER_NAME = "connector.router"
@@ -444,17 +455,3 @@ class RouterAttr:
     TRANSFER_ID = "vllm.nixl.transfer_id"
     PREFILL_ENGINE_ID = "vllm.nixl.remote_engine_id"
     ERROR_TYPE = "error.type"
-=======
-# PUSH_REG fields P acts on, with the types it needs (validated before use).
-PUSH_REG_FIELDS: dict[str, tuple[type, ...]] = {
-    "request_id": (str,),
-    "decode_engine_id": (str,),
-    "decode_host": (str,),
-    "decode_port": (int,),
-    "decode_tp_size": (int,),
-    "local_block_ids": (list, tuple),
-}
-# Bounds on what a peer controls (the side channel and PUSH_REG are unauthenticated).
-MAX_PUSH_REG_BYTES = 1 << 20  # a PUSH_REG with 1M block ids is far past any real request
-MAX_PEER_STRING = 256  # engine ids, hosts, request ids kept on spans or in logs
->>>>>>> main
