@@ -98,8 +98,8 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
             failed += 1
             print("  CHECK FAILED: D->P handshakes must all be notification-only")
         section("Descriptors", report.descriptor_lines(data))
-        section("Handshake phase medians (Prometheus histogram_quantile over the run)",
-                report.phase_lines(prom, JOB))
+        source, lines = report.phase_lines(stack.spans(), prom, JOB)
+        section(f"Handshake phases ({source})", lines)
     section("KV pushes", report.push_lines(p_data, d_data, outcomes))
     rules, firing = report.rule_lines(prom)
     failed += firing

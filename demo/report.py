@@ -7,6 +7,7 @@ is computed from the demo's own bookkeeping, except the output check.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -23,9 +24,12 @@ from connector.vocabulary import (
     HANDSHAKES,
     PUSH_REG_NOTIFS,
     PUSHES,
+    SPAN_HANDSHAKE,
+    SPAN_PHASE_PREFIX,
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_WRITE,
     SPAN_ROUTER_REQUEST,
+    Attr,
     Label,
 )
 from dashboards.promrun import PrometheusServer
@@ -104,19 +108,36 @@ def push_lines(p: list[Sample], d: list[Sample], outcomes: list[Outcome]) -> lis
     return lines
 
 
-def phase_lines(prom: PrometheusServer, job: str) -> list[str]:
-    metric = HANDSHAKE_PHASE_DURATION.name
-    expr = (f"histogram_quantile(0.5, sum by (le, {Label.DIRECTION}, {Label.PHASE}) "
-            f'({metric}_bucket{{job="{job}"}}))')
-    rows = sorted((r["metric"].get(Label.DIRECTION, ""), r["metric"].get(Label.PHASE, ""),
-                    float(r["value"][1])) for r in prom.query(expr))
+def phase_lines(spans: list[dict[str, Any]], prom: PrometheusServer, job: str) -> tuple[str, list[str]]:
+    """Per-phase medians: exact, from the phase spans when we have them; else Prometheus means."""
+    direction_of = {s["span_id"]: s["attributes"].get(Attr.DIRECTION) for s in spans
+                    if s["name"] == SPAN_HANDSHAKE}
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for s in spans:
+        if s["name"].startswith(SPAN_PHASE_PREFIX) and Attr.PHASE in s["attributes"]:
+            key = (direction_of.get(s["parent_span_id"]) or "?", s["attributes"][Attr.PHASE])
+            groups[key].append((s["end"] - s["start"]) / 1e6)
+    if groups:
+        rows = [(d, p, statistics.median(v), len(v)) for (d, p), v in sorted(groups.items())]
+        source = "median of the phase spans received"
+    else:
+        metric, by = HANDSHAKE_PHASE_DURATION.name, f"{Label.DIRECTION}, {Label.PHASE}"
+        expr = (f'sum by ({by}) ({metric}_sum{{job="{job}"}}) / '
+                f'sum by ({by}) ({metric}_count{{job="{job}"}}) > -1')  # `> -1` drops NaN (no samples)
+        counts = {(r["metric"][Label.DIRECTION], r["metric"][Label.PHASE]): float(r["value"][1])
+                  for r in prom.query(f'sum by ({by}) ({metric}_count{{job="{job}"}})')}
+        rows = sorted((r["metric"][Label.DIRECTION], r["metric"][Label.PHASE], float(r["value"][1]) * 1e3,
+                       int(counts.get((r["metric"][Label.DIRECTION], r["metric"][Label.PHASE]), 0)))
+                      for r in prom.query(expr))
+        source = "mean from Prometheus (_sum/_count)"
     if not rows:
-        return ["no phase histograms on /metrics"]
+        return source, ["no handshake phases recorded"]
     out = []
     for direction in sorted({r[0] for r in rows}):
-        parts = [f"{phase} {v * 1e3:.2f}" for d, phase, v in rows if d == direction]
-        out.append(f"{direction}: " + ", ".join(parts) + " (ms)")
-    return out
+        parts = [f"{phase} {ms:.2f}" for d, phase, ms, _ in rows if d == direction]
+        arrow = {"d_to_p": "D->P", "p_to_d": "P->D"}.get(direction, direction)
+        out.append(f"{arrow} (ms): " + ", ".join(parts))
+    return source, out
 
 
 def rule_lines(prom: PrometheusServer) -> tuple[list[str], int]:

@@ -37,6 +37,7 @@ class Stack:
         self.prometheus: promrun.PrometheusServer | None = None
         self.model: Path | None = None
         self.prometheus_pid: int | None = None
+        self._closed = False
 
     @property
     def otlp_endpoint(self) -> str:
@@ -105,6 +106,10 @@ class Stack:
         return self.receiver.snapshot() if self.receiver is not None else []
 
     def close(self) -> None:
+        """Stop everything started (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.prometheus is not None:
             self.prometheus.stop()
         for proc in reversed(self.processes):
