@@ -174,8 +174,16 @@ class VllmServer(Process):
         self.wait_http(self.url + "/health", timeout_s)
 
     def metrics(self, openmetrics: bool = False) -> str:
-        headers = {"Accept": "application/openmetrics-text; version=1.0.0"} if openmetrics else {}
-        req = urllib.request.Request(self.url + "/metrics", headers=headers)
+        """`/metrics` (text format); with `openmetrics`, `/metrics/` asked for OpenMetrics.
+
+        vLLM's `/metrics` route always answers the classic text format, without
+        exemplars; `/metrics/` is prometheus_client's own app, which negotiates.
+        """
+        if not openmetrics:
+            path, headers = "/metrics", {}
+        else:
+            path, headers = "/metrics/", {"Accept": "application/openmetrics-text; version=1.0.0"}
+        req = urllib.request.Request(self.url + path, headers=headers)
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.read().decode()
 

@@ -7,13 +7,13 @@ is computed from the demo's own bookkeeping, except the output check.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from connector.vocabulary import (
@@ -48,13 +48,24 @@ def total(data: Iterable[Sample], name: str, **labels: str) -> float:
     return sum(v for n, lab, v in data if n == name and all(lab.get(k) == x for k, x in labels.items()))
 
 
+_EXEMPLAR = re.compile(r'^(?P<name>[^{\s]+)(?:\{(?P<labels>[^}]*)\})?\s+\S+\s+#\s+\{(?P<ex>[^}]*)\}')
+_PAIR = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
 def exemplars(openmetrics: str) -> list[tuple[str, dict[str, str], str]]:
-    """(sample name, labels, trace_id) for every exemplar carrying a trace id."""
+    """(sample name, labels, trace_id) for every exemplar carrying a trace id.
+
+    Read line by line (`name{labels} value # {trace_id="..."} value [ts]`): the strict
+    OpenMetrics parser rejects vLLM's whole exposition over unrelated families.
+    """
     out = []
-    for fam in parse_openmetrics(openmetrics):
-        for s in fam.samples:
-            if s.exemplar is not None and "trace_id" in s.exemplar.labels:
-                out.append((s.name, dict(s.labels), s.exemplar.labels["trace_id"]))
+    for line in openmetrics.splitlines():
+        m = _EXEMPLAR.match(line)
+        if m is None:
+            continue
+        ex = dict(_PAIR.findall(m.group("ex")))
+        if "trace_id" in ex:
+            out.append((m.group("name"), dict(_PAIR.findall(m.group("labels") or "")), ex["trace_id"]))
     return out
 
 

@@ -18,6 +18,11 @@ from demo.engines import LOOPBACK, REPO, Process, RouterProcess, VllmServer, ali
 from demo.model import random_checkpoint
 
 JOB = "vllm"
+# vLLM 0.32 serves `/metrics` through prometheus-fastapi-instrumentator, which always
+# answers the classic text format (no exemplars, whatever the Accept header says).
+# `/metrics/` reaches prometheus_client's own ASGI app, mounted behind it, which
+# negotiates OpenMetrics and so carries exemplars.
+OPENMETRICS_PATH = "/metrics/"
 MODEL_CACHE = REPO / ".cache" / "demo-model"
 
 
@@ -93,8 +98,10 @@ class Stack:
         self.router.wait_ready()
         self.progress(f"router {self.router.url} pid {self.router.pid} log {self.router.log_path}")
         targets = [f"{LOOPBACK}:{s.port}" for s in (self.prefill, self.decode)]
+        job = promrun.scrape_job(JOB, targets)
+        job["metrics_path"] = OPENMETRICS_PATH
         self.prometheus = promrun.PrometheusServer(
-            [promrun.scrape_job(JOB, targets)], rule_files=[promrun.RULES_PATH],
+            [job], rule_files=[promrun.RULES_PATH],
             workdir=self.workdir / "prometheus", extra_args=["--enable-feature=exemplar-storage"]).start()
         self.prometheus_pid = self.prometheus.process.pid  # type: ignore[union-attr]
         self.prometheus.wait_for(f'sum(up{{job="{JOB}"}})', lambda v: v == 2, timeout_s=60,
