@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine of this kind (python 3.11, x86_64, no GPU):
 #   make test   - set up (venv, pinned deps, Debian prometheus) and run lint + dashboard check + tests
-#   make demo   - set up and run the main job: a real P/D push with handshake telemetry
+#   make demo   - set up and run the main job: real `vllm serve` P and D, the router, Prometheus, traces
 # Re-running on a set-up machine skips the installs (stamp files).
 
 PYTHON ?= python3
@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup venv system-deps test lint check-dashboards dashboards demo bench clean
+.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench clean
 
 setup: venv system-deps
 
@@ -39,7 +39,7 @@ $(SYS_STAMP):
 	@touch $@
 
 lint: venv
-	$(VENV)/bin/ruff check connector harness dashboards tests benchmarks
+	$(VENV)/bin/ruff check connector harness dashboards tests benchmarks demo
 
 check-dashboards: venv
 	$(PY) -m dashboards.generate --check
@@ -50,7 +50,11 @@ dashboards: venv
 test: setup lint check-dashboards
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# DEMO_ARGS: e.g. --connector stock, --otlp-endpoint http://localhost:4317, --serve
 demo: setup
+	$(PY) -m demo $(DEMO_ARGS)
+
+demo-harness: setup
 	$(PY) -m harness.demo
 
 bench: setup
