@@ -76,6 +76,25 @@ def disaggregated(router_url: str, prompt: list[int], request_id: str, max_token
     return out
 
 
+def streamed(router_url: str, prompt: list[int], request_id: str, max_tokens: int) -> list[int]:
+    """Token ids of a `stream: true` completion through the router (SSE chunks)."""
+    req = urllib.request.Request(router_url + "/v1/completions",
+                                 data=json.dumps(body(prompt, max_tokens, stream=True)).encode(),
+                                 headers={"Content-Type": "application/json", "X-Request-Id": request_id})
+    tokens: list[int] = []
+    with urllib.request.urlopen(req, timeout=180) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            for choice in chunk.get("choices", []):
+                tokens += choice.get("token_ids") or []
+    return tokens
+
+
 def reference(engine_url: str, prompt: list[int], max_tokens: int, salt: str) -> list[int]:
     return tokens_of(_post(engine_url + "/v1/completions", body(prompt, max_tokens, cache_salt=salt), {}))
 

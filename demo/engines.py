@@ -170,7 +170,7 @@ class VllmServer(Process):
     def side_channel(self) -> str:
         return f"{LOOPBACK}:{self.side_channel_port}"
 
-    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+    def wait_healthy(self, timeout_s: float = 600.0) -> None:
         self.wait_http(self.url + "/health", timeout_s)
 
     def metrics(self, openmetrics: bool = False) -> str:

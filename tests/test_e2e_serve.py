@@ -83,6 +83,13 @@ def test_kv_came_over_nixl_and_d_to_p_handshakes_were_notification_only(stack, o
     assert "Transfer plan" in stack.prefill.log()
 
 
+def test_streamed_completion_through_the_router_equals_the_reference(stack):
+    """Runs after the counter checks above (it adds one push)."""
+    prompt = drive.make_prompts(1, seed=99)[0]
+    tokens = drive.streamed(stack.router.url, prompt, "e2e-stream", MAX_TOKENS)
+    assert tokens == drive.reference(stack.prefill.url, prompt, MAX_TOKENS, salt="reference-e2e-stream")
+
+
 def test_every_request_is_one_trace_across_router_p_and_d(stack, outcomes):
     def complete() -> bool:
         spans = stack.spans()
