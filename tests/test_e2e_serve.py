@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from connector import vocabulary
 from connector.vocabulary import (
     DESCRIPTOR_REGISTRATIONS,
     DESCRIPTORS_REGISTERED,
@@ -30,6 +31,9 @@ pytestmark = [pytest.mark.real, pytest.mark.prometheus, pytest.mark.timeout(900)
 
 MAX_TOKENS = 6
 SPAN_WAIT_S = 60.0
+# The trace join and exemplars (issue 7, parts 1 and 3) land with EXEMPLAR_METRICS in the vocabulary.
+needs_trace_join = pytest.mark.skipif(not hasattr(vocabulary, "EXEMPLAR_METRICS"),
+                                      reason="this build has no request trace join / exemplars yet")
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +94,7 @@ def test_streamed_completion_through_the_router_equals_the_reference(stack):
     assert tokens == drive.reference(stack.prefill.url, prompt, MAX_TOKENS, salt="reference-e2e-stream")
 
 
+@needs_trace_join
 def test_every_request_is_one_trace_across_router_p_and_d(stack, outcomes):
     def complete() -> bool:
         spans = stack.spans()
@@ -109,6 +114,7 @@ def test_every_request_is_one_trace_across_router_p_and_d(stack, outcomes):
         assert by_name[("vllm-prefill", SPAN_PUSH_WRITE)]
 
 
+@needs_trace_join
 def test_exemplars_on_d_openmetrics_and_in_prometheus_resolve_to_received_traces(stack, outcomes):
     exposition = stack.decode.metrics(openmetrics=True)
     on_d = report.exemplars(exposition)
