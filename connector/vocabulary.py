@@ -83,6 +83,12 @@ class NotifOutcome(_Vocab):
     FAILED = "failed"
 
 
+class ReceiveOutcome(_Vocab):
+    """How a D-side receive ended: KV landed, failed, or the registration timed out."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+    EXPIRED = "expired"
 class TelemetryError(_Vocab):
     """Why a piece of telemetry was lost (the push itself never is)."""
 
@@ -157,11 +163,32 @@ class Attr:
     SERVER_ADDRESS = "server.address"
     SERVER_PORT = "server.port"
     ERROR_TYPE = "error.type"
+    # On a span link: what the linked context is (LinkRole).
+    LINK_ROLE = "vllm.nixl.link.role"
+
+
+class LinkRole(_Vocab):
+    # P's write span links to the trace context P's own request arrived with.
+    PREFILL_REQUEST = "prefill_request"
 
 
 # Extra key carried inside the PUSH_REG msgpack dict. A stock peer reads the dict
 # with .get() and ignores it; a payload without it is handled like before.
 PUSH_REG_TRACE_KEY = "otel_trace_context"
+
+# W3C trace-context headers vLLM keeps in `Request.trace_headers` (and we carry).
+TRACE_HEADER_KEYS = ("traceparent", "tracestate")
+# Extra key in the registration dict D's scheduler stages for its worker: the W3C
+# context the request arrived with (the parent of `nixl.push.receive`). vLLM's own
+# code reads the dict by named keys only; a stock P ignores it inside PUSH_REG.
+REGISTRATION_TRACE_KEY = "otel_request_trace_context"
+# Extra attribute of the `NixlConnectorMetadata` P's scheduler builds each step:
+# {P request id: W3C context} for the requests whose finished blocks it ships.
+METADATA_TRACE_ATTR = "otel_request_trace_contexts"
+
+# Exemplar label names (OpenMetrics; what Grafana's exemplar data links read).
+EXEMPLAR_TRACE_ID = "trace_id"
+EXEMPLAR_SPAN_ID = "span_id"
 
 
 # ------------------------------------------------------------------------- metrics
@@ -184,7 +211,8 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     Label.TRIGGER: tuple(t.value for t in Trigger),
     Label.NOTIF_AGENTS_ONLY: BOOL_VALUES,
     Label.OUTCOME: tuple(dict.fromkeys(
-        [o.value for o in Outcome] + [o.value for o in NotifOutcome] + [e.value for e in PushEvent])),
+        [o.value for o in Outcome] + [o.value for o in NotifOutcome] + [e.value for e in PushEvent]
+        + [r.value for r in ReceiveOutcome])),
     Label.PHASE: tuple(p.value for p in Phase),
     Label.ERROR_TYPE: tuple(e.value for e in ErrorType),
     Label.LIST: tuple(x.value for x in DescriptorList),
@@ -225,6 +253,11 @@ HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
                      30.0)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                  5.0, 10.0)
+
+# A receive spans the PUSH_REG, P's prefill finishing (when D registers first), any
+# handshakes and the WRITE: milliseconds to minutes (the registration timeout).
+RECEIVE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0, 600.0)
 
 HANDSHAKES = MetricSpec(
     "vllm:nixl_handshakes",
@@ -295,6 +328,15 @@ PUSHES = MetricSpec(
     "KV pushes (WRITEs of one request) on prefill workers: started, completed, failed.",
 )
 
+RECEIVE_DURATION = MetricSpec(
+    "vllm:nixl_push_receive_duration_seconds",
+    MetricKind.HISTOGRAM,
+    (Label.OUTCOME,),
+    "Wall time of a KV receive on a decode worker, from the registration handed to the "
+    "worker until the KV landed, failed, or the registration timed out (expired).",
+    unit="s",
+    buckets=RECEIVE_BUCKETS,
+)
 HANDSHAKE_RETRIES = MetricSpec(
     "vllm:nixl_handshake_retries",
     MetricKind.COUNTER,
@@ -343,6 +385,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     DESCRIPTORS_SAVED,
     PUSH_REG_NOTIFS,
     PUSHES,
+    RECEIVE_DURATION,
     HANDSHAKE_RETRIES,
     HANDSHAKES_IN_FLIGHT,
     HANDSHAKE_OLDEST_IN_FLIGHT,
@@ -350,12 +393,17 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     TELEMETRY_ERRORS,
 )
 
+# Histograms whose observations carry a trace-id exemplar when tracing is on.
+EXEMPLAR_METRICS: tuple[MetricSpec, ...] = (HANDSHAKE_DURATION, HANDSHAKE_PHASE_DURATION,
+                                            RECEIVE_DURATION)
+
 # `outcome` is a different closed set per metric; LABEL_VALUES holds the union.
 METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (HANDSHAKES.name, Label.OUTCOME): tuple(o.value for o in Outcome),
     (HANDSHAKE_DURATION.name, Label.OUTCOME): tuple(o.value for o in Outcome),
     (PUSH_REG_NOTIFS.name, Label.OUTCOME): tuple(o.value for o in NotifOutcome),
     (PUSHES.name, Label.OUTCOME): tuple(e.value for e in PushEvent),
+    (RECEIVE_DURATION.name, Label.OUTCOME): tuple(r.value for r in ReceiveOutcome),
     (PUSH_REG_REJECTED.name, Label.REASON): tuple(r.value for r in PushRegRejection),
     (TELEMETRY_ERRORS.name, Label.REASON): tuple(t.value for t in TelemetryError),
 }
@@ -394,6 +442,7 @@ class StatKey:
     PUSHES_STARTED = "pushes_started"
     PUSHES_COMPLETED = "pushes_completed"
     PUSHES_FAILED = "pushes_failed"
+    RECEIVES = "receives"
     HANDSHAKE_RETRIES = "handshake_retries"  # list of direction values
     PUSH_REG_REJECTED = "push_reg_rejected"  # list of PushRegRejection values
     TELEMETRY_ERRORS = "telemetry_errors"  # list of TelemetryError values
@@ -408,6 +457,7 @@ OUR_STAT_KEYS = (
     StatKey.PUSHES_STARTED,
     StatKey.PUSHES_COMPLETED,
     StatKey.PUSHES_FAILED,
+    StatKey.RECEIVES,
     StatKey.HANDSHAKE_RETRIES,
     StatKey.PUSH_REG_REJECTED,
     StatKey.TELEMETRY_ERRORS,

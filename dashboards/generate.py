@@ -44,7 +44,7 @@ RATE = "$__rate_interval"
 RANGE = "$__range"
 # Every panel query is scoped by the dashboard variables (multi-value, hence =~).
 SCOPE = ('job=~"$job"', 'model_name=~"$model_name"', 'instance=~"$instance"', 'engine=~"$engine"')
-VARIABLES = ("datasource", "job", "model_name", "instance", "engine")
+VARIABLES = ("datasource", "job", "model_name", "instance", "engine", "jaeger")
 BUILTIN_VARIABLES = {"__rate_interval", "__range", "__interval", "__range_s", "__interval_ms"}
 # The series the variables are read from: pre-created at 0 by every engine running the fork.
 VARIABLE_SOURCE = V.PUSHES.series_names[0]
@@ -55,10 +55,22 @@ VOCAB_LABELS = frozenset(V.LABEL_VALUES)
 # Per-metric label value sets (e.g. `outcome`) come from the vocabulary.
 VALUE_SETS: dict[tuple[str, str], tuple[str, ...]] = V.METRIC_LABEL_VALUES
 
+# Exemplars: the latency histograms carry {trace_id, span_id} exemplars (OpenMetrics);
+# their panels show them, and a click opens the trace in the $jaeger data source.
+JAEGER_VARIABLE = "jaeger"
+TRACE_LINK = {
+    "title": "Open trace ${__data.fields.trace_id} in Jaeger",
+    "url": '/explore?schemaVersion=1&orgId=1&panes={"trace":{"datasource":"${jaeger}",'
+           '"queries":[{"refId":"A","datasource":{"type":"jaeger","uid":"${jaeger}"},'
+           '"query":"${__data.fields.trace_id}"}],"range":{"from":"now-1h","to":"now"}}}',
+    "targetBlank": True,
+}
+
 # Alert thresholds (seconds / ratios); see dashboards/README.md.
 FAILURE_RATIO_THRESHOLD = 0.10
 P99_LATENCY_THRESHOLD_S = 2.5
 QUEUE_WAIT_P95_THRESHOLD_S = 0.5
+RECEIVE_P99_THRESHOLD_S = 5.0
 FULL_D_TO_P_WINDOW = "15m"
 # Three default side-channel timeouts (5 s each): past this a handshake is hung, not slow.
 STUCK_THRESHOLD_S = 15
@@ -120,6 +132,8 @@ NOTIF_ONLY = eq(Label.NOTIF_AGENTS_ONLY, V.bool_label(True))
 FULL = eq(Label.NOTIF_AGENTS_ONLY, V.bool_label(False))
 FAILURE = eq(Label.OUTCOME, V.Outcome.FAILURE)
 QUEUE_WAIT = eq(Label.PHASE, V.Phase.QUEUE_WAIT)
+RECEIVE_SUCCESS = eq(Label.OUTCOME, V.ReceiveOutcome.SUCCESS)
+NOT_SUCCESS = f'{Label.OUTCOME}!="{V.ReceiveOutcome.SUCCESS.value}"'
 FLAVOR = (Label.DIRECTION, Label.NOTIF_AGENTS_ONLY)
 
 
@@ -156,7 +170,7 @@ def _thresholds(*steps: tuple[str, float | None]) -> dict[str, Any]:
 
 def timeseries(title: str, description: str, targets: list[dict[str, Any]], unit: str, *,
                stacked: bool = False, bars: bool = False, max_value: float | None = None,
-               decimals: int | None = None) -> dict[str, Any]:
+               decimals: int | None = None, exemplars: bool = False) -> dict[str, Any]:
     custom = {
         "drawStyle": "bars" if bars else "line", "lineWidth": 1, "fillOpacity": 60 if bars else 10,
         "showPoints": "never", "spanNulls": False, "axisSoftMin": 0,
@@ -170,7 +184,19 @@ def timeseries(title: str, description: str, targets: list[dict[str, Any]], unit
     options = {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
                           "calcs": ["lastNotNull", "max"]},
                "tooltip": {"mode": "multi", "sort": "desc"}}
+    if exemplars:
+        # Grafana queries the exemplars of each target and draws them as points; the
+        # link opens the trace an exemplar names in the $jaeger data source.
+        for t in targets:
+            t["exemplar"] = True
+        defaults["links"] = [dict(TRACE_LINK)]
+        description += EXEMPLAR_NOTE
     return _panel("timeseries", title, description, targets, unit, defaults, options)
+
+
+EXEMPLAR_NOTE = (" Exemplars (points) carry the trace_id of a traced observation: click one and "
+                 "open its trace in the $jaeger data source (tracing on, Prometheus with "
+                 "--enable-feature=exemplar-storage).")
 
 
 def stat(title: str, description: str, expr: str, unit: str, *, thresholds: dict[str, Any],
@@ -323,7 +349,7 @@ def _latency() -> list[tuple[dict[str, Any], int, int]]:
                             f"p{round(q * 100)} {{{{direction}}}} notif_agents_only="
                             "{{notif_agents_only}}")
                      for q in (0.5, 0.95, 0.99)],
-                    "s"), 12, 9),
+                    "s", exemplars=True), 12, 9),
         (timeseries("Executor queue wait p50 / p95 / p99",
                     "Time handshakes waited in vLLM's handshake executor queue before running "
                     f"(phase=\"queue_wait\" of {phase.name}). Growing values mean handshakes "
@@ -331,7 +357,7 @@ def _latency() -> list[tuple[dict[str, Any], int, int]]:
                     [target(quantile(q, phase, (Label.DIRECTION,), RATE, QUEUE_WAIT),
                             f"p{round(q * 100)} {{{{direction}}}}")
                      for q in (0.5, 0.95, 0.99)],
-                    "s"), 12, 9),
+                    "s", exemplars=True), 12, 9),
         (timeseries("Per-phase latency p95",
                     "p95 of the time one handshake spent in each phase (queue_wait, "
                     "metadata_fetch, metadata_decode, agent_load, transfer_plan, "
@@ -339,7 +365,7 @@ def _latency() -> list[tuple[dict[str, Any], int, int]]:
                     f"{phase.name}_bucket. {nan_note}",
                     [target(quantile(0.95, phase, (Label.DIRECTION, Label.PHASE), RATE),
                             "{{direction}} {{phase}}")],
-                    "s"), 12, 9),
+                    "s", exemplars=True), 12, 9),
         (bargauge("Mean time per phase (range)",
                   "Where handshake time goes: mean seconds per handshake in each phase over the "
                   f"dashboard range, increase of {phase.name}_sum divided by increase of "
@@ -378,7 +404,25 @@ def _failures() -> list[tuple[dict[str, Any], int, int]]:
 
 def _push_flow() -> list[tuple[dict[str, Any], int, int]]:
     notifs, pushes = total(V.PUSH_REG_NOTIFS), total(V.PUSHES)
+    rcv = V.RECEIVE_DURATION
     return [
+        (timeseries("KV receive latency p50 / p95 / p99 by outcome",
+                    "Decode side, per request: from the registration handed to the worker until "
+                    "the pushed KV landed (success), the receive failed (failure) or nothing "
+                    "landed within the registration timeout (expired). Covers PUSH_REG, P's "
+                    "prefill finishing, handshakes and the WRITE: the P/D health number. "
+                    f"histogram_quantile over the rate of {rcv.name}_bucket; windows without "
+                    "receives are dropped (`>= 0`).",
+                    [target(quantile(q, rcv, (Label.OUTCOME,), RATE),
+                            f"p{round(q * 100)} {{{{outcome}}}}")
+                     for q in (0.5, 0.95, 0.99)],
+                    "s", exemplars=True), 12, 8),
+        (timeseries("KV receives/s by outcome",
+                    "Decode-side receives per second by outcome (success, failure, expired): "
+                    f"rate of {rcv.name}_count, whose series are pre-created at 0.",
+                    [target(f"sum {by(Label.OUTCOME)} (rate({sel(hcount(rcv))}[{RATE}]))",
+                            "{{outcome}}")],
+                    "suffix: receives/s"), 12, 8),
         (timeseries("PUSH_REG notifications/s",
                     "PUSH_REG notifications decode workers sent to prefill agents per second, by "
                     f"outcome (sent/failed): rate of {V.PUSH_REG_NOTIFS.name}_total.",
@@ -508,6 +552,9 @@ def _templating() -> dict[str, Any]:
         _variable("engine", "engine",
                   f'label_values({src}{{job=~"$job",model_name=~"$model_name",'
                   f'instance=~"$instance"}}, engine)'),
+        {"name": JAEGER_VARIABLE, "label": "Traces (Jaeger)", "type": "datasource",
+         "query": "jaeger", "refresh": 1, "regex": "", "hide": 0, "current": {}, "options": [],
+         "multi": False, "includeAll": False},
     ]}
 
 
@@ -571,6 +618,9 @@ def iter_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
             yield panel
 
 
+# Latency histograms whose observations carry exemplars (their panels must show them).
+EXEMPLAR_BUCKETS = frozenset(bucket(spec) for spec in V.EXEMPLAR_METRICS)
+
 # ------------------------------------------------------------------------------ rules
 INSTANCE = ("job", "instance", Label.MODEL_NAME, Label.ENGINE)
 
@@ -598,6 +648,9 @@ def _rules() -> dict[str, Any]:
         {"record": "instance:vllm_nixl_handshake_queue_wait_seconds:p95_rate5m",
          "expr": quantile(0.95, V.HANDSHAKE_PHASE_DURATION, (*INSTANCE, Label.DIRECTION), "5m",
                           QUEUE_WAIT, scoped=False, multiline=True)},
+        {"record": "instance:vllm_nixl_push_receive_duration_seconds:p99_rate5m",
+         "expr": quantile(0.99, V.RECEIVE_DURATION, (*INSTANCE, Label.OUTCOME), "5m",
+                          scoped=False, multiline=True)},
         {"record": "instance:vllm_nixl_descriptors_saved:rate5m",
          "expr": f"sum {by(*INSTANCE, Label.DIRECTION)} (\n  rate({total(V.DESCRIPTORS_SAVED)}[5m])\n)"},
     ]
@@ -678,6 +731,28 @@ def _rules() -> dict[str, Any]:
              "summary": "KV pushes failing on {{ $labels.instance }}",
              "description": "{{ $value }} KV push(es) failed on prefill engine "
                             "{{ $labels.instance }} in the last 10m."}},
+        {"alert": "NixlReceivesFailing",
+         "expr": f"sum {by(*INSTANCE, Label.OUTCOME)} (increase({s(hcount(V.RECEIVE_DURATION), NOT_SUCCESS)}"
+                 f"[10m]))\n> 0",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "KV receives failing on {{ $labels.instance }}",
+             "description": "{{ $value }} KV receive(s) ended with outcome {{ $labels.outcome }} "
+                            "on decode engine {{ $labels.instance }} in the last 10m: the request "
+                            "got no pushed KV (failure: handshake or PUSH_REG failed; expired: "
+                            "nothing landed within the registration timeout). Open an exemplar "
+                            "of the receive latency panel for the request's trace."}},
+        {"alert": "NixlReceiveLatencyP99High",
+         "expr": quantile(0.99, V.RECEIVE_DURATION, INSTANCE, "10m", RECEIVE_SUCCESS,
+                          scoped=False, drop_nan=False, multiline=True)
+         + f" > {RECEIVE_P99_THRESHOLD_S}",
+         "for": "5m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "Slow KV receives on {{ $labels.instance }}",
+             "description": "p99 of successful KV receives on decode engine {{ $labels.instance }} "
+                            "is {{ $value | humanizeDuration }} over 10m (threshold "
+                            f"{RECEIVE_P99_THRESHOLD_S}s), from registration to KV landed."}},
     ]
     return {"groups": [
         {"name": "nixl-push.recording", "rules": recording},
@@ -817,11 +892,23 @@ def check_dashboard(dashboard: dict[str, Any]) -> list[str]:
         if not targets:
             errors.append(f"{where}: no queries")
         panel_metrics: set[str] = set()
+        wants_exemplars = False
         for t in targets:
             expr = t.get("expr", "")
             errors += check_expr(expr, f"{where} query {t.get('refId')}", allow_variables=True)
             with contextlib.suppress(promql.PromQLError):  # already reported by check_expr
-                panel_metrics |= {index[n].name for n in promql.metric_names(expr) if n in index}
+                names = promql.metric_names(expr)
+                panel_metrics |= {index[n].name for n in names if n in index}
+                if names & EXEMPLAR_BUCKETS:
+                    wants_exemplars = True
+                    if not t.get("exemplar"):
+                        errors.append(f"{where} query {t.get('refId')}: latency histogram "
+                                      "without exemplars")
+        links = panel.get("fieldConfig", {}).get("defaults", {}).get("links") or []
+        if wants_exemplars and not any("${" + JAEGER_VARIABLE + "}" in link.get("url", "")
+                                       for link in links):
+            errors.append(f"{where}: exemplars without a data link to the ${JAEGER_VARIABLE} "
+                          "data source")
         for metric in sorted(panel_metrics):
             if metric not in description:
                 errors.append(f"{where}: description does not name its metric {metric}")

@@ -80,9 +80,9 @@ class PrometheusServer:
 
     def __init__(self, scrape_configs: list[dict[str, Any]], *, rule_files: Iterable[Path] = (),
                  scrape_interval: str = "1s", evaluation_interval: str = "1s",
-                 workdir: str | Path | None = None, extra_args: Iterable[str] = ()):
+                 workdir: str | Path | None = None, features: Iterable[str] = ()):
         self.scrape_configs = scrape_configs
-        self.extra_args = list(extra_args)  # e.g. --enable-feature=exemplar-storage
+        self.features = list(features)  # e.g. "exemplar-storage"
         self.rule_files = [Path(p).resolve() for p in rule_files]
         self.scrape_interval = scrape_interval
         self.evaluation_interval = evaluation_interval
@@ -113,7 +113,8 @@ class PrometheusServer:
         self.process = subprocess.Popen(
             [binary(PROMETHEUS), f"--config.file={config}",
              f"--storage.tsdb.path={self.workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn", *self.extra_args],
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
+             *(f"--enable-feature={f}" for f in self.features)],
             stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -200,6 +201,14 @@ class PrometheusServer:
         if answer.get("status") != "success":
             raise PrometheusError(f"{expr}: {answer.get('errorType')}: {answer.get('error')}")
         return answer["data"]["result"]
+
+    def query_exemplars(self, expr: str, start: float, end: float) -> list[dict[str, Any]]:
+        """`/api/v1/query_exemplars`: [{seriesLabels, exemplars: [{labels, value, timestamp}]}]."""
+        answer = self.api("/api/v1/query_exemplars", {"query": expr, "start": f"{start:.3f}",
+                                                      "end": f"{end:.3f}"})
+        if answer.get("status") != "success":
+            raise PrometheusError(f"exemplars {expr}: {answer.get('errorType')}: {answer.get('error')}")
+        return answer["data"] or []
 
     def label_values(self, label: str, match: str) -> list[str]:
         answer = self.api(f"/api/v1/label/{label}/values", {"match[]": match}, post=False)

@@ -102,7 +102,7 @@ class Stack:
         job["metrics_path"] = OPENMETRICS_PATH
         self.prometheus = promrun.PrometheusServer(
             [job], rule_files=[promrun.RULES_PATH],
-            workdir=self.workdir / "prometheus", extra_args=["--enable-feature=exemplar-storage"]).start()
+            workdir=self.workdir / "prometheus", features=["exemplar-storage"]).start()
         self.prometheus_pid = self.prometheus.process.pid  # type: ignore[union-attr]
         self.prometheus.wait_for(f'sum(up{{job="{JOB}"}})', lambda v: v == 2, timeout_s=60,
                                  what="Prometheus scraping both engines")

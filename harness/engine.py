@@ -175,8 +175,15 @@ class Engine:
         return dirty
 
     def cmd_register(self, req_id: str, block_ids: list[int], prefill: dict[str, Any],
-                     remote_request_id: str, with_heartbeat: bool) -> None:
-        """D side: what the push scheduler hands the worker after allocating blocks."""
+                     remote_request_id: str, with_heartbeat: bool,
+                     trace_headers: dict[str, str] | None = None) -> None:
+        """D side: what the push scheduler hands the worker after allocating blocks.
+
+        `trace_headers` are the request's W3C headers (vLLM's `Request.trace_headers`);
+        they go into the registration the way our scheduler puts them there.
+        """
+        from connector.glue.scheduler import stage_trace_context
+
         reg = {
             "request_id": req_id, "decode_engine_id": self.spec.engine_id,
             "decode_host": "127.0.0.1", "decode_port": self.spec.side_channel_port,
@@ -187,6 +194,8 @@ class Engine:
         params = {"remote_block_ids": (), "remote_engine_id": prefill["engine_id"],
                   "remote_request_id": remote_request_id, "remote_host": prefill["host"],
                   "remote_port": prefill["port"], "tp_size": 1, "pp_size": 1}
+        if trace_headers:
+            stage_trace_context(reg, trace_headers)
         self.pending_meta.push_registrations[req_id] = reg
         self.pending_meta.add_new_req_to_recv(req_id, (list(block_ids),), params)
         if with_heartbeat:
@@ -209,12 +218,26 @@ class Engine:
     def cmd_stop_heartbeats(self) -> None:
         self.heartbeats.clear()
 
-    def cmd_finish(self, req_id: str, block_ids: list[int], lease_s: float) -> None:
-        """P side: a finished prefill whose blocks wait for D's registration."""
+    def cmd_finish(self, req_id: str, block_ids: list[int], lease_s: float,
+                   trace_headers: dict[str, str] | None = None) -> None:
+        """P side: a finished prefill whose blocks wait for D's registration.
+
+        `trace_headers` (P's own request's W3C headers) ride in the step metadata the
+        way our scheduler ships them with the finished blocks.
+        """
+        from connector.glue.scheduler import attach_request_contexts
+        from connector.telemetry.tracing import trace_carrier
+        from connector.vocabulary import METADATA_TRACE_ATTR
+
         meta = self.pending_meta
         meta.reqs_in_batch.add(req_id)
         meta.push_finished_blocks[req_id] = (list(block_ids),)
         meta.reqs_to_send[req_id] = time.perf_counter() + lease_s
+        carrier = trace_carrier(trace_headers)
+        if carrier:
+            contexts = dict(getattr(meta, METADATA_TRACE_ATTR, None) or {})
+            contexts[req_id] = carrier
+            attach_request_contexts(meta, contexts)
 
     def cmd_results(self) -> dict[str, Any]:
         return {"finished_recving": dict(self.finished_recving),

@@ -5,7 +5,8 @@ vLLM's `KVConnectorPrometheus` calls the connector class's
 once and then `.observe(stats_dict, engine_idx)` for every scheduler stats update;
 `KVConnectorLogging` rebuilds the stats with `build_kv_connector_stats` and logs
 `reduce()`. We do the same, into a private registry that can be served on a real
-`/metrics` endpoint (prometheus_client's own HTTP exposition).
+`/metrics` endpoint (prometheus_client's own HTTP exposition, which, like vLLM's
+`make_asgi_app`, answers OpenMetrics, with exemplars, to a scraper that asks for it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
+from prometheus_client.openmetrics.exposition import ALLOWUTF8
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 MODEL_NAME = "tiny-llama"
 LABELNAMES = ["model_name", "engine"]
@@ -67,8 +70,13 @@ class Frontend:
                 line = ", ".join(f"{k}={v}" for k, v in acc.reduce().items())
                 self.log_lines.append(f"KV Transfer metrics: {line}")
 
-    def exposition(self) -> str:
+    def exposition(self, openmetrics: bool = False) -> str:
+        """The /metrics text: Prometheus text format, or OpenMetrics (with exemplars)."""
         with self._lock:
+            if openmetrics:
+                # What a Prometheus 3 scrape gets (names kept; see the README's
+                # Prometheus 2.x note for the `vllm_` renaming of older scrapers).
+                return generate_openmetrics(self.registry, escaping=ALLOWUTF8).decode()
             return generate_latest(self.registry).decode()
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float:

@@ -181,14 +181,20 @@ class PushHarness:
     # ---------------------------------------------------------------- pushes
     def push(self, n_requests: int, *, prefill: str = "P", decode: str = "D",
              blocks_per_request: int = 2, heartbeat: bool = True, lease_s: float = 30.0,
-             timeout_s: float = 60.0, verify: bool = True) -> PushReport:
+             timeout_s: float = 60.0, verify: bool = True,
+             trace_headers: list[tuple[dict[str, str] | None, dict[str, str] | None]] | None = None,
+             ) -> PushReport:
         """Drive `n_requests` through the real push flow and verify D's bytes.
 
         Per request, the way vLLM's schedulers would: D allocates blocks and hands
         the worker the registration (plus a heartbeat on its first step, as the
         D scheduler does); P finishes the prefill and hands over the blocks. Both
         are sent together, so PUSH_REG and finished blocks meet in either order.
+        `trace_headers`, one (D headers, P headers) pair per request, are the W3C
+        headers each leg's request arrived with (None: no trace context).
         """
+        if trace_headers is not None and len(trace_headers) != n_requests:
+            raise ValueError("trace_headers needs one (D, P) pair per request")
         p, d = self.engines[prefill], self.engines[decode]
         pairs: list[tuple[str, str, list[int], list[int]]] = []
         for _ in range(n_requests):
@@ -199,10 +205,11 @@ class PushHarness:
             p.call("fill", p_blocks, self._seed)
             pairs.append((p_id, d_id, p_blocks, d_blocks))
         started: dict[str, float] = {}
-        for p_id, d_id, p_blocks, d_blocks in pairs:
+        for i, (p_id, d_id, p_blocks, d_blocks) in enumerate(pairs):
+            d_headers, p_headers = trace_headers[i] if trace_headers else (None, None)
             started[d_id] = d.call("now")
-            d.call("register", d_id, d_blocks, p.address, p_id, heartbeat)
-            p.call("finish", p_id, p_blocks, lease_s)
+            d.call("register", d_id, d_blocks, p.address, p_id, heartbeat, d_headers)
+            p.call("finish", p_id, p_blocks, lease_s, p_headers)
         d_ids = {pair[1] for pair in pairs}
         deadline = time.monotonic() + timeout_s
         results: dict[str, Any] = {}

@@ -203,10 +203,12 @@ def test_dashboard_shape() -> None:
     assert dashboard["schemaVersion"] == 39
     assert dashboard["title"] == "NIXL push handshakes"
     variables = dashboard["templating"]["list"]
-    assert [v["name"] for v in variables] == ["datasource", "job", "model_name", "instance", "engine"]
+    assert [v["name"] for v in variables] == ["datasource", "job", "model_name", "instance", "engine",
+                                              "jaeger"]
     assert variables[0]["type"] == "datasource" and variables[0]["query"] == "prometheus"
+    assert variables[-1]["type"] == "datasource" and variables[-1]["query"] == "jaeger"
     defined: set[str] = {"datasource"}
-    for var in variables[1:]:
+    for var in variables[1:-1]:
         # label_values queries, each scoped only by the variables before it.
         assert var["query"].startswith("label_values(") and var["query"] == var["definition"]
         assert promql.variables(var["query"]) <= defined, var["name"]
@@ -258,6 +260,41 @@ def test_required_panels_exist() -> None:
     has("Handshake failures/s by phase and error type", "by (direction, phase, error_type)")
     has("PUSH_REG notifications/s", "vllm:nixl_push_reg_notifs_total")
     has("KV pushes/s: started / completed / failed", "vllm:nixl_pushes_total", "by (outcome)")
+    has("KV receive latency p50 / p95 / p99 by outcome",
+        "vllm:nixl_push_receive_duration_seconds_bucket", "by (le, outcome)")
+    has("KV receives/s by outcome", "rate(vllm:nixl_push_receive_duration_seconds_count")
+
+
+def test_latency_panels_show_exemplars_linked_to_jaeger() -> None:
+    dashboard = generate.build_dashboard()
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["jaeger"]["type"] == "datasource" and variables["jaeger"]["query"] == "jaeger"
+    with_exemplars = {p["title"] for p in generate.iter_panels(dashboard)
+                      if any(t.get("exemplar") for t in p["targets"])}
+    assert with_exemplars == {"Handshake latency p50 / p95 / p99 by flavor",
+                              "Executor queue wait p50 / p95 / p99", "Per-phase latency p95",
+                              "KV receive latency p50 / p95 / p99 by outcome"}
+    for panel in generate.iter_panels(dashboard):
+        if panel["title"] in with_exemplars:
+            [link] = panel["fieldConfig"]["defaults"]["links"]
+            assert "${jaeger}" in link["url"] and "${__data.fields.trace_id}" in link["url"]
+            # The link's Explore state is JSON once Grafana has filled in the variables.
+            state = link["url"].split("panes=", 1)[1]
+            filled = state.replace("${jaeger}", "jaeger-uid").replace(
+                "${__data.fields.trace_id}", "4bf92f3577b34da6a3ce929d0e0e4736")
+            pane = json.loads(filled)["trace"]
+            assert pane["datasource"] == "jaeger-uid"
+            assert pane["queries"][0]["query"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_latency_panel_without_exemplars_fails_the_check() -> None:
+    dashboard = generate.build_dashboard()
+    panel = next(p for p in generate.iter_panels(dashboard) if p["title"].startswith("KV receive latency"))
+    panel["targets"][0]["exemplar"] = False
+    panel["fieldConfig"]["defaults"]["links"] = []
+    errors = generate.check_dashboard(dashboard)
+    assert any("latency histogram without exemplars" in e for e in errors), errors
+    assert any("without a data link to the $jaeger" in e for e in errors), errors
 
 
 # ------------------------------------------------------------------------------- rules
@@ -284,6 +321,7 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
             (firing if check["exp_alerts"] else quiet).add(check["alertname"])
     assert alerts == {"NixlFullDToPHandshake", "NixlHandshakeFailureRatioHigh",
                       "NixlHandshakeLatencyP99High", "NixlHandshakeQueueWaitHigh", "NixlPushesFailing",
+                      "NixlReceivesFailing", "NixlReceiveLatencyP99High",
                       "NixlHandshakeStuck", "NixlPushRegRejected"}
     assert firing == alerts and quiet == alerts
 
@@ -367,6 +405,11 @@ def test_stack_and_provisioning_agree() -> None:
     prom_ds = next(s for s in sources if s["type"] == "prometheus")
     assert prom_ds["url"] == "http://prometheus:9090" and prom_ds["isDefault"] is True
     assert prom_ds["jsonData"]["timeInterval"] == prometheus_yml["global"]["scrape_interval"]
+    # Exemplars: stored by Prometheus, and their trace ids link to the Jaeger data source.
+    assert "--enable-feature=exemplar-storage" in services["prometheus"]["command"]
+    jaeger_ds = next(s for s in sources if s["type"] == "jaeger")
+    [dest] = prom_ds["jsonData"]["exemplarTraceIdDestinations"]
+    assert dest == {"name": "trace_id", "datasourceUid": jaeger_ds["uid"]}
 
     # Jaeger all-in-one takes OTLP on both standard ports.
     jaeger = services["jaeger"]

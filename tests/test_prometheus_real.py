@@ -167,6 +167,7 @@ CORE = {
     "Descriptor lists prepared/s by full handshakes", "Descriptors registered/s by full handshakes",
     "Handshake latency p50 / p95 / p99 by flavor", "PUSH_REG notifications/s",
     "KV pushes/s: started / completed / failed", "NIXL transfers/s and failures/s",
+    "KV receive latency p50 / p95 / p99 by outcome", "KV receives/s by outcome",
     "NIXL transfer and post time p50 / p99", "NIXL bytes transferred/s",
     "Descriptors per NIXL transfer (mean)",
     # Series the connector pre-creates at 0 (rate()/increase() cannot see a series'

@@ -2,7 +2,8 @@
 
 vLLM loads it with `kv_connector_module_path="connector"` and
 `kv_connector="NixlPushConnector"` (the literal name vLLM and routers match to
-select push mode). The scheduler role stays stock; the worker role builds
+select push mode). The scheduler role is `ObservedPushScheduler` (vLLM's, plus the
+request trace context handed to workers); the worker role builds
 `ObservedPushWorker` directly, never a stock worker first.
 """
 
@@ -18,10 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector as StockNixlPushConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
-    NixlPushConnectorScheduler,
-)
 
+from connector.glue.scheduler import ObservedPushScheduler
 from connector.glue.worker import ObservedPushWorker
 from connector.telemetry.prometheus import ObservedPromMetrics
 from connector.telemetry.stats import ObservedNixlStats
@@ -65,7 +64,7 @@ class NixlPushConnector(StockNixlPushConnector):
     """vLLM's push connector with the observed worker. See module docstring."""
 
     worker_cls = ObservedPushWorker
-    scheduler_cls = NixlPushConnectorScheduler
+    scheduler_cls = ObservedPushScheduler
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):

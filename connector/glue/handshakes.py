@@ -245,10 +245,11 @@ class HandshakeFlow:
 
     def _publish_handshake(self, record: HandshakeRecord) -> None:
         try:
+            # Spans first (never raises): the stats record carries their ids (exemplars).
+            self._spans.emit_handshake(record)
             self.xfer_stats.record_handshake(record)
         except Exception as exc:
             errors.note(TelemetryError.STATS, exc)
-        self._spans.emit_handshake(record)
 
     def _safe_stats(self, fn: Any, *args: Any) -> None:
         try:

@@ -6,7 +6,8 @@ Wrappers at the boundary of vLLM's push worker:
   reason, logged and dropped, and the other notifications of the same batch (other
   PUSH_REGs, completion notifications) go on as usual (upstream, one bad PUSH_REG
   raising in the writer's batch loop dropped the rest of the batch);
-- the write span opens under the trace context the PUSH_REG carried;
+- the write span opens under the trace context the PUSH_REG carried, linked to the
+  context P's own request arrived with (our scheduler passes it in the step metadata);
 - the P->D handshake a WRITE starts is tagged, pushes started/failed are counted.
 """
 
@@ -19,7 +20,10 @@ from typing import Any
 
 import msgspec
 from opentelemetry.trace import SpanKind
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import ReqMeta
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+    ReqMeta,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
 )
@@ -31,15 +35,19 @@ from connector.telemetry.tracing import (
     SpanEmitter,
     activated,
     activated_context,
+    context_link,
     extract_context,
     peer_str,
 )
 from connector.vocabulary import (
     MAX_PUSH_REG_BYTES,
+    METADATA_TRACE_ATTR,
     PUSH_REG_FIELDS,
     PUSH_REG_TRACE_KEY,
+    REGISTRATION_TRACE_KEY,
     SPAN_PUSH_WRITE,
     Attr,
+    LinkRole,
     PushRegRejection,
     StatKey,
     TelemetryError,
@@ -90,6 +98,35 @@ def _valid_block_ids(block_ids: Any) -> bool:
 class PushFlow:
     """Mixin for `NixlPushConnectorWorker`: the prefill side of a push."""
 
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        if self._spans.enabled:
+            contexts = getattr(metadata, METADATA_TRACE_ATTR, None)
+            if contexts:
+                try:
+                    for req_id, carrier in contexts.items():
+                        self._request_contexts.put(req_id, carrier)
+                except Exception as exc:
+                    errors.note(TelemetryError.SPAN, exc)
+        super().start_load_kv(metadata)
+
+    def _write_span_placement(self, request_id: str,
+                              registration_data: dict[str, Any]) -> tuple[Any, list[Any] | None]:
+        """Parent and links of a write span.
+
+        Parent: the D register span the PUSH_REG names (one tree from D's receive
+        down to P's write and the handshakes it starts); else D's request context
+        (a D that does not trace but got one from its scheduler); else P's own
+        request context; else a root. Link: P's own request context, when it is
+        not already the parent.
+        """
+        own = extract_context(self._request_contexts.pop(request_id))
+        parent = (extract_context(registration_data.get(PUSH_REG_TRACE_KEY))
+                  or extract_context(registration_data.get(REGISTRATION_TRACE_KEY)))
+        if parent is None:
+            return own, None
+        link = context_link(own, {Attr.LINK_ROLE: LinkRole.PREFILL_REQUEST.value})
+        return parent, [link] if link is not None else None
+
     # --------------------------------------------------------- PUSH_REG intake
     def _handle_push_reg_notif(self, notif: bytes) -> None:
         reg, problem = parse_push_reg(notif)
@@ -118,7 +155,8 @@ class PushFlow:
         """
         try:
             # Its span sits in the request's trace, under D's register span.
-            parent = extract_context(reg.get(PUSH_REG_TRACE_KEY)) if self._spans.enabled else None
+            parent = (extract_context(reg.get(PUSH_REG_TRACE_KEY))
+                      or extract_context(reg.get(REGISTRATION_TRACE_KEY))) if self._spans.enabled else None
             with activated_context(parent), self._triggered_by(Trigger.PUSH_REG_EARLY):
                 self._ensure_handshake(reg["decode_engine_id"], reg["decode_host"],
                                        reg["decode_port"], reg["decode_tp_size"])
@@ -143,9 +181,9 @@ class PushFlow:
         if self._spans.enabled:
             span = self._write_spans.get(request_id)
             if span is None:
+                parent, links = self._write_span_placement(request_id, registration_data)
                 span = self._spans.start(
-                    SPAN_PUSH_WRITE,
-                    parent=extract_context(registration_data.get(PUSH_REG_TRACE_KEY)),
+                    SPAN_PUSH_WRITE, parent=parent, links=links,
                     kind=SpanKind.CONSUMER,
                     attributes={Attr.REQUEST_ID: request_id,
                                 Attr.REMOTE_REQUEST_ID: peer_str(registration_data.get("request_id", "")),

@@ -1,8 +1,10 @@
 """D-side flow: the registration handed to the worker, PUSH_REG to P, heartbeats.
 
-Wrappers at the boundary of vLLM's push worker: they open the request's receive and
-register spans, carry the W3C trace context in the PUSH_REG payload, tag handshakes
-a heartbeat or a registration starts, and count PUSH_REG notifications.
+Wrappers at the boundary of vLLM's push worker: they time the whole receive, open
+the request's receive span (child of the request's own trace context, which our
+scheduler puts into the registration) and register span, carry the W3C trace
+context in the PUSH_REG payload, tag handshakes a heartbeat or a registration
+starts, and count PUSH_REG notifications.
 """
 
 from __future__ import annotations
@@ -14,9 +16,16 @@ from opentelemetry.trace import SpanKind
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
 from connector.telemetry import errors
-from connector.telemetry.tracing import SpanEmitter, activated, inject_context, peer_str
+from connector.telemetry.tracing import (
+    SpanEmitter,
+    activated,
+    extract_context,
+    inject_context,
+    peer_str,
+)
 from connector.vocabulary import (
     PUSH_REG_TRACE_KEY,
+    REGISTRATION_TRACE_KEY,
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_REGISTER,
     Attr,
@@ -31,17 +40,31 @@ class ReceiveFlow:
     """Mixin for `NixlPushConnectorWorker`: the decode side of a push."""
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
-        if self._spans.enabled and metadata.push_registrations:
+        # (vLLM skips the whole step on these ranks; so do we.)
+        skipped = getattr(self, "pcp_rank", 0) > 0 and not getattr(self, "pcp_dcp_sharded", False)
+        if metadata.push_registrations and not skipped:
             try:
-                self._open_receive_spans(metadata.push_registrations)
+                self._start_receives(metadata.push_registrations)
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)
+        super().start_load_kv(metadata)
+
+    def _start_receives(self, registrations: dict[str, dict[str, Any]]) -> None:
+        """Time every receive (histogram); open its span when tracing is on."""
+        for req_id in registrations:
+            self._receive_clock.start(req_id)
+        if self._spans.enabled:
+            try:
+                self._open_receive_spans(registrations)
             except Exception as exc:
                 errors.note(TelemetryError.SPAN, exc)
-        super().start_load_kv(metadata)
 
     def _open_receive_spans(self, registrations: dict[str, dict[str, Any]]) -> None:
         for req_id, reg in registrations.items():
             self._receive_spans.put(req_id, self._spans.start(
-                SPAN_PUSH_RECEIVE, parent=None, kind=SpanKind.CONSUMER,
+                # The request's own trace (from our scheduler) or, without one, a root.
+                SPAN_PUSH_RECEIVE, parent=extract_context(reg.get(REGISTRATION_TRACE_KEY)),
+                kind=SpanKind.CONSUMER,
                 attributes={Attr.REQUEST_ID: req_id,
                             Attr.LOCAL_ENGINE_ID: self.engine_id,
                             Attr.REMOTE_ENGINE_ID: peer_str(reg.get("remote_engine_id", "")),
@@ -79,7 +102,10 @@ class ReceiveFlow:
         if PUSH_REG_TRACE_KEY not in reg_data:
             carrier = inject_context(span)
             if carrier:
-                reg_data = {**reg_data, PUSH_REG_TRACE_KEY: carrier}
+                # P parents its write on our register span; the request's own context
+                # (already our receive span's parent) need not travel.
+                reg_data = {k: v for k, v in reg_data.items() if k != REGISTRATION_TRACE_KEY}
+                reg_data[PUSH_REG_TRACE_KEY] = carrier
         return span, reg_data
 
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:

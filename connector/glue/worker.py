@@ -32,10 +32,11 @@ from connector.glue.receive import ReceiveFlow
 from connector.glue.retry import RetryPolicy
 from connector.telemetry import errors
 from connector.telemetry.in_flight import InFlight
+from connector.telemetry.receives import ReceiveClock
 from connector.telemetry.span_table import BoundedIdSet, SpanTable
 from connector.telemetry.stats import ObservedNixlStats
-from connector.telemetry.tracing import SpanEmitter, resolve_tracer
-from connector.vocabulary import StatKey, TelemetryError
+from connector.telemetry.tracing import SpanEmitter, resolve_tracer, span_ids
+from connector.vocabulary import ReceiveOutcome, StatKey, TelemetryError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,6 +50,9 @@ _PUSH_FAILURES = frozenset(
 )
 # ... and those that end a D-side receive before any WRITE can land.
 _RECEIVE_FAILURES = frozenset({"push_reg_handshake_failed"})
+# vLLM's default for the D-side registration watchdog (`push_registration_timeout`,
+# itself defaulting to `decoder_kv_blocks_ttl`).
+DEFAULT_REGISTRATION_TIMEOUT_S = 480.0
 
 
 class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnectorWorker):
@@ -72,6 +76,12 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnector
         self._receive_spans = SpanTable()  # D: registration until KV landed
         self._register_spans = SpanTable()  # D: registration until PUSH_REG sent
         self._write_spans = SpanTable()  # P: PUSH_REG matched until WRITE done
+        # P: request id -> the W3C context P's own request arrived with (span link).
+        self._request_contexts = SpanTable(spans=False)
+        # D: registration handed over until KV landed, failed or expired (histogram).
+        self._receive_clock = ReceiveClock(float(extra(
+            "push_registration_timeout",
+            extra("decoder_kv_blocks_ttl", DEFAULT_REGISTRATION_TIMEOUT_S))))
         self._push_lock = threading.Lock()
         self._pushing = BoundedIdSet()  # P: WRITEs posted, not yet reported done
         self._push_failed = BoundedIdSet()
@@ -153,6 +163,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnector
                 self._pushing.discard(req_id)
                 self._push_failed.discard(req_id)
             span = self._write_spans.pop(req_id)
+            self._request_contexts.pop(req_id)
             if pushed and not failed:
                 self.xfer_stats.record_push(StatKey.PUSHES_COMPLETED)
                 SpanEmitter.end(span)
@@ -162,7 +173,21 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnector
         for req_id in results.finished_recving:
             SpanEmitter.end(self._register_spans.pop(req_id))
             span = self._receive_spans.pop(req_id)
-            if req_id in results.failed_recving:
+            failed = req_id in results.failed_recving
+            self._record_receive(req_id, ReceiveOutcome.FAILURE if failed else ReceiveOutcome.SUCCESS,
+                                 self._receive_clock.stop(req_id), span)
+            if failed:
                 SpanEmitter.end(span, error_type="receive_failed", message="KV receive failed")
             else:
                 SpanEmitter.end(span)
+        for req_id, seconds in self._receive_clock.pop_expired():
+            SpanEmitter.end(self._register_spans.pop(req_id))
+            span = self._receive_spans.pop(req_id)
+            self._record_receive(req_id, ReceiveOutcome.EXPIRED, seconds, span)
+            SpanEmitter.end(span, error_type="expired",
+                            message="no KV landed within the registration timeout")
+
+    def _record_receive(self, req_id: str, outcome: ReceiveOutcome, seconds: float | None,
+                        span: Any) -> None:
+        if seconds is not None:
+            self.xfer_stats.record_receive(outcome.value, seconds, span_ids(span))

@@ -3,11 +3,18 @@
 vLLM calls the connector's `build_prom_metrics(...)` with its own metric classes
 (plain prometheus_client, or multiprocess/Ray variants) and its `model_name`/`engine`
 labels; we add only the closed label sets from the vocabulary.
+
+Latency observations carry an OpenMetrics exemplar ({trace_id, span_id}) when the
+stats record holds the ids of its span. prometheus_client shows exemplars only in
+the OpenMetrics format (vLLM's /metrics negotiates it by Accept header); the text
+format, multiprocess mode (no exemplar storage) and Ray's wrappers (no exemplar
+argument) simply observe the value.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter as Counter_
 from typing import Any
 
@@ -18,6 +25,31 @@ from connector import vocabulary as V
 from connector.vocabulary import MetricKind, MetricSpec, StatKey, bool_label
 
 logger = logging.getLogger(__name__)
+
+_TRACE_ID = re.compile(r"[0-9a-f]{32}")
+_SPAN_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def exemplar_of(trace_id: Any, span_id: Any = None) -> dict[str, str] | None:
+    """Exemplar labels for a record's span ids; None unless the trace id is valid.
+
+    Validated here, before observing: prometheus_client validates an exemplar only
+    after it counted the observation, and a half-observed record must not happen.
+    """
+    if not isinstance(trace_id, str) or not _TRACE_ID.fullmatch(trace_id) or not int(trace_id, 16):
+        return None
+    out = {V.EXEMPLAR_TRACE_ID: trace_id}
+    if isinstance(span_id, str) and _SPAN_ID.fullmatch(span_id):
+        out[V.EXEMPLAR_SPAN_ID] = span_id
+    return out
+
+
+def observe(child: Any, value: float, exemplar: dict[str, str] | None) -> None:
+    """`child.observe(value)`, with the exemplar where the metric class takes one."""
+    if exemplar is not None and isinstance(child, Histogram):
+        child.observe(value, exemplar)
+    else:
+        child.observe(value)
 
 
 class ObservedPromMetrics(NixlPromMetrics):
@@ -58,6 +90,8 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._child(V.PUSH_REG_NOTIFS, idx, outcome.value)
             for event in V.PushEvent:
                 self._child(V.PUSHES, idx, event.value)
+            for outcome in V.ReceiveOutcome:
+                self._child(V.RECEIVE_DURATION, idx, outcome.value)
             for direction in V.Direction:
                 self._child(V.HANDSHAKE_RETRIES, idx, direction.value)
                 self._child(V.HANDSHAKE_OLDEST_IN_FLIGHT, idx, direction.value).set(0)
@@ -107,6 +141,11 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._observe_handshake(hs, idx)
             except Exception:
                 self._drop("handshake", hs, idx)
+        for rec in data.get(StatKey.RECEIVES, ()):
+            try:
+                self._observe_receive(rec, idx)
+            except Exception:
+                self._drop("receive", rec, idx)
         counts = (
             (StatKey.PUSH_REG_SENT, V.PUSH_REG_NOTIFS, V.NotifOutcome.SENT.value),
             (StatKey.PUSH_REG_FAILED, V.PUSH_REG_NOTIFS, V.NotifOutcome.FAILED.value),
@@ -172,6 +211,11 @@ class ObservedPromMetrics(NixlPromMetrics):
         outcome = V.Outcome(hs["outcome"]).value
         duration = float(hs["duration"])
         phases = [(V.Phase(p).value, float(sec)) for p, sec in hs.get("phases", {}).items()]
+        trace_id = hs.get("trace_id")
+        exemplar = exemplar_of(trace_id, hs.get("span_id"))
+        phase_spans = hs.get("phase_span_ids") if exemplar is not None else None
+        if not isinstance(phase_spans, dict):
+            phase_spans = {}
         regs = [(V.DescriptorList(w).value, int(n)) for w, n in hs.get("registrations", {}).items()]
         descs = [(V.DescriptorList(w).value, int(n)) for w, n in hs.get("descriptors", {}).items()]
         saved_regs = int(hs.get("saved_registrations") or 0)
@@ -185,9 +229,10 @@ class ObservedPromMetrics(NixlPromMetrics):
             raise ValueError("negative value in handshake record")
 
         self._child(V.HANDSHAKES, idx, direction, trigger, notif, outcome).inc()
-        self._child(V.HANDSHAKE_DURATION, idx, direction, notif, outcome).observe(duration)
+        observe(self._child(V.HANDSHAKE_DURATION, idx, direction, notif, outcome), duration, exemplar)
         for phase, seconds in phases:
-            self._child(V.HANDSHAKE_PHASE_DURATION, idx, direction, notif, phase).observe(seconds)
+            observe(self._child(V.HANDSHAKE_PHASE_DURATION, idx, direction, notif, phase), seconds,
+                    exemplar_of(trace_id, phase_spans.get(phase)) if exemplar else None)
         if failure is not None:
             self._child(V.HANDSHAKE_PHASE_FAILURES, idx, direction, *failure).inc()
         for which, n in regs:
@@ -200,3 +245,11 @@ class ObservedPromMetrics(NixlPromMetrics):
             self._child(V.DESCRIPTOR_REGISTRATIONS_SAVED, idx, direction).inc(saved_regs)
         if saved_descs:
             self._child(V.DESCRIPTORS_SAVED, idx, direction).inc(saved_descs)
+
+    def _observe_receive(self, rec: dict[str, Any], idx: int) -> None:
+        outcome = V.ReceiveOutcome(rec["outcome"]).value
+        duration = float(rec["duration"])
+        if duration < 0:
+            raise ValueError("negative receive duration")
+        observe(self._child(V.RECEIVE_DURATION, idx, outcome), duration,
+                exemplar_of(rec.get("trace_id"), rec.get("span_id")))

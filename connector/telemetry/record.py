@@ -101,6 +101,10 @@ class HandshakeRecord:
     saved_descriptors: int = 0
     # OTel context of whoever triggered the handshake (not serialized).
     parent_context: Any = None
+    # Ids of the emitted spans (hex), for exemplars; empty when tracing is off.
+    trace_id: str = ""
+    span_id: str = ""
+    phase_span_ids: dict[str, str] = field(default_factory=dict)
     _rank: tuple[int | None, int | None] = (None, None)
 
     # -- phase clock (called only on the handshake thread) ---------------------
@@ -162,8 +166,11 @@ class HandshakeRecord:
         return totals
 
     def to_stats(self) -> dict[str, Any]:
-        """Compact, msgpack-friendly summary for vLLM's stats path."""
-        return {
+        """Compact, msgpack-friendly summary for vLLM's stats path.
+
+        Span ids ride along (never as labels) only when the spans were emitted.
+        """
+        out = {
             "direction": self.direction.value,
             "trigger": self.trigger.value,
             "notif_only": self.notif_only,
@@ -179,6 +186,11 @@ class HandshakeRecord:
             "saved_registrations": self.saved_registrations,
             "saved_descriptors": self.saved_descriptors,
         }
+        if self.trace_id:
+            out["trace_id"] = self.trace_id
+            out["span_id"] = self.span_id
+            out["phase_span_ids"] = dict(self.phase_span_ids)
+        return out
 
 
 class ActiveRecord:

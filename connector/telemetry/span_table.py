@@ -22,12 +22,17 @@ MAX_TRACKED_REQUESTS = 65536
 
 
 class SpanTable:
-    """Request id -> open span, bounded and thread-safe (main + writer threads)."""
+    """Request id -> open span, bounded and thread-safe (main + writer threads).
 
-    def __init__(self, limit: int = MAX_TRACKED_REQUESTS) -> None:
+    With `spans=False` it holds plain values (trace-context carriers): overflow
+    just drops them (counted as a full table).
+    """
+
+    def __init__(self, limit: int = MAX_TRACKED_REQUESTS, spans: bool = True) -> None:
         self._lock = threading.Lock()
         self._spans: OrderedDict[str, Any] = OrderedDict()
         self._limit = limit
+        self._holds_spans = spans
 
     def put(self, req_id: str, span: Any) -> None:
         if span is None:
@@ -37,6 +42,10 @@ class SpanTable:
             self._spans[req_id] = span
             dropped = [self._spans.popitem(last=False)[1]
                        for _ in range(max(0, len(self._spans) - self._limit))]
+        if not self._holds_spans:
+            if dropped:
+                errors.note(TelemetryError.TABLE_FULL, "request trace contexts", exc_info=False)
+            return
         if replaced is not None and replaced is not span:
             SpanEmitter.end(replaced, error_type="superseded",
                             message="request registered again before this span ended")

@@ -79,6 +79,13 @@ class ObservedNixlStats(NixlKVConnectorStats):
         with _LOCK:
             self.data[StatKey.IN_FLIGHT] = [snapshot]
 
+    def record_receive(self, outcome: str, seconds: float, ids: tuple[str, str] | None) -> None:
+        """One D-side receive; `ids` (trace id, span id) of its span become the exemplar."""
+        rec: dict[str, Any] = {"outcome": outcome, "duration": seconds}
+        if ids is not None:
+            rec["trace_id"], rec["span_id"] = ids
+        self._append(StatKey.RECEIVES, rec)
+
     # -- vLLM's contract ---------------------------------------------------------
     def is_empty(self) -> bool:
         # An interval with only handshakes (no transfer yet) must not be dropped.
@@ -95,6 +102,10 @@ class ObservedNixlStats(NixlKVConnectorStats):
     def handshakes(self) -> list[dict[str, Any]]:
         return self.data.get(StatKey.HANDSHAKES, [])
 
+    @property
+    def receives(self) -> list[dict[str, Any]]:
+        return self.data.get(StatKey.RECEIVES, [])
+
     def reduce(self) -> dict[str, int | float]:
         """The stock "KV Transfer metrics" log line, extended with handshakes.
 
@@ -102,6 +113,11 @@ class ObservedNixlStats(NixlKVConnectorStats):
         peer build is skipped here (the Prometheus side counts it), never raised.
         """
         out = dict(super().reduce())
+        receives = self.receives
+        if receives:
+            out["Receives"] = len(receives)
+            out["Failed receives"] = sum(
+                isinstance(r, dict) and r.get("outcome") != "success" for r in receives)
         hs = [h for h in self.handshakes if _well_formed(h)]
         if not hs:
             out["Num handshakes"] = 0

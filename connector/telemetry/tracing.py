@@ -20,7 +20,7 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector.telemetry import errors
@@ -28,6 +28,7 @@ from connector.telemetry.record import HandshakeRecord
 from connector.vocabulary import (
     MAX_PEER_STRING,
     SPAN_HANDSHAKE,
+    TRACE_HEADER_KEYS,
     TRACER_NAME,
     Attr,
     Outcome,
@@ -144,6 +145,50 @@ def extract_context(carrier: Any) -> Any:
     return None
 
 
+def trace_carrier(headers: Any) -> dict[str, str] | None:
+    """The W3C trace-context part of request headers (vLLM's `Request.trace_headers`).
+
+    Header names are matched case-insensitively; None when there is no traceparent.
+    Pure data handling, no OTel call: it runs in vLLM's scheduler process.
+    """
+    if not headers:
+        return None
+    try:
+        carrier = {str(k).lower(): str(v) for k, v in headers.items()
+                   if str(k).lower() in TRACE_HEADER_KEYS}
+    except Exception:
+        logger.debug("unreadable trace headers", exc_info=True)
+        return None
+    return carrier if carrier.get("traceparent") else None
+
+
+def span_ids(span: Any) -> tuple[str, str] | None:
+    """(trace id, span id) of a recording span as lower-case hex, else None."""
+    if span is None:
+        return None
+    try:
+        ctx = span.get_span_context()
+        if not ctx.is_valid or not span.is_recording():
+            return None
+        return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
+    except Exception as exc:
+        errors.note(TelemetryError.SPAN, exc)
+        return None
+
+
+def context_link(ctx: Any, attributes: Mapping[str, Any] | None = None) -> Link | None:
+    """A span link to the span a context (from `extract_context`) carries, or None."""
+    if ctx is None:
+        return None
+    try:
+        span_context = trace.get_current_span(ctx).get_span_context()
+        if span_context.is_valid:
+            return Link(span_context, dict(attributes or {}))
+    except Exception as exc:
+        errors.note(TelemetryError.SPAN, exc)
+    return None
+
+
 def peer_str(value: Any) -> str:
     """A peer-sent value as a bounded span attribute (peers are unauthenticated)."""
     text = value if isinstance(value, str) else str(value)
@@ -187,15 +232,20 @@ class SpanEmitter:
         return self.tracer is not None
 
     def start(self, name: str, parent: Any = None, attributes: Mapping[str, Any] | None = None,
-              kind: SpanKind = SpanKind.INTERNAL) -> Any:
-        """Start a span as a child of `parent` (a span or a context)."""
+              kind: SpanKind = SpanKind.INTERNAL, links: list[Link] | None = None) -> Any:
+        """Start a span as a child of `parent` (a span or a context).
+
+        A None parent makes a root span (never the thread's current span).
+        """
         if self.tracer is None:
             return None
         try:
-            if parent is not None and not isinstance(parent, otel_context.Context):
+            if parent is None:
+                parent = otel_context.Context()
+            elif not isinstance(parent, otel_context.Context):
                 parent = trace.set_span_in_context(parent)
             return self.tracer.start_span(name, context=parent, kind=kind,
-                                          attributes=dict(attributes or {}))
+                                          attributes=dict(attributes or {}), links=links)
         except Exception as exc:
             errors.note(TelemetryError.SPAN, exc)
             return None
@@ -253,6 +303,9 @@ class SpanEmitter:
             SPAN_HANDSHAKE, context=record.parent_context, kind=SpanKind.CLIENT,
             start_time=record.submitted_ns, attributes=attrs,
         )
+        ids = span_ids(span)
+        if ids is not None:
+            record.trace_id, record.span_id = ids
         parent = trace.set_span_in_context(span)
         last = len(record.segments) - 1
         for i, seg in enumerate(record.segments):
@@ -268,6 +321,10 @@ class SpanEmitter:
                 phase_span_name(seg.phase), context=parent, start_time=seg.start_ns,
                 attributes=seg_attrs,
             )
+            child_ids = span_ids(child)
+            if child_ids is not None:
+                # The exemplar of a phase observation points at its first segment.
+                record.phase_span_ids.setdefault(seg.phase.value, child_ids[1])
             if failed and i == last and record.error_type is not None:
                 child.set_attribute(Attr.ERROR_TYPE, record.error_type.value)
                 child.set_status(Status(StatusCode.ERROR, record.error_message[:300]))

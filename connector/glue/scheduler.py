@@ -1,0 +1,93 @@
+"""`ObservedPushScheduler`: vLLM's push scheduler, handing request trace context to workers.
+
+vLLM keeps the W3C headers a request arrived with (`Request.trace_headers`, set
+only when tracing is on) in the scheduler process; our request spans live in the
+workers. This subclass passes the context along the two paths vLLM already has:
+- D: the registration dict staged in `update_state_after_alloc` gets one extra key
+  (`REGISTRATION_TRACE_KEY`), so the worker's `nixl.push.receive` joins the request's
+  trace. vLLM reads that dict by named keys only (and a stock P ignores extra keys
+  inside PUSH_REG), so the key changes nothing else.
+- P: the step metadata gets one extra attribute (`METADATA_TRACE_ATTR`,
+  {request id: context}) next to the finished blocks it ships, so the worker's
+  `nixl.push.write` can link to P's own request. A stock worker never looks at it.
+Nothing here raises into vLLM's scheduling: a telemetry fault is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
+    NixlPushConnectorScheduler,
+)
+
+from connector.telemetry.tracing import trace_carrier
+from connector.vocabulary import METADATA_TRACE_ATTR, REGISTRATION_TRACE_KEY
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.utils import BlockIds
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def stage_trace_context(registration: dict[str, Any], trace_headers: Any) -> None:
+    """Put the request's W3C context into a D registration dict (in place)."""
+    if REGISTRATION_TRACE_KEY in registration:
+        return
+    carrier = trace_carrier(trace_headers)
+    if carrier:
+        registration[REGISTRATION_TRACE_KEY] = carrier
+
+
+def attach_request_contexts(metadata: Any, contexts: dict[str, dict[str, str]]) -> None:
+    """Add {P request id: W3C context} to a step's connector metadata."""
+    if contexts:
+        setattr(metadata, METADATA_TRACE_ATTR, dict(contexts))
+
+
+class ObservedPushScheduler(NixlPushConnectorScheduler):
+    """See module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # P: contexts of requests whose finished blocks ship with the next metadata.
+        self._finished_trace_contexts: dict[str, dict[str, str]] = {}
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if not request.trace_headers:  # tracing off, or no context sent: no work
+            return
+        try:
+            registration = self._push_pending_registrations.get(request.request_id)
+            if registration is not None:
+                stage_trace_context(registration, request.trace_headers)
+        except Exception:
+            logger.debug("registration trace context dropped", exc_info=True)
+
+    def request_finished(self, request: Request,
+                         block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+        result = super().request_finished(request, block_ids)
+        if request.trace_headers and request.request_id in self._newly_finished_push_blocks:
+            try:
+                carrier = trace_carrier(request.trace_headers)
+                if carrier:
+                    self._finished_trace_contexts[request.request_id] = carrier
+            except Exception:
+                logger.debug("request trace context dropped", exc_info=True)
+        return result
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._finished_trace_contexts:
+            try:
+                attach_request_contexts(meta, self._finished_trace_contexts)
+            except Exception:
+                logger.debug("request trace contexts dropped", exc_info=True)
+            self._finished_trace_contexts.clear()
+        return meta
