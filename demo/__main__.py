@@ -13,6 +13,7 @@ Prometheus and the traces; re-renders dashboards/preview/*.png. Logs go to files
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -23,7 +24,6 @@ from dashboards import preview
 from demo import drive, report
 from demo.engines import REPO, SERVED_MODEL
 from demo.stack import JOB, Stack, wait_until
-from harness.demo import span_tree
 
 WORKDIR = REPO / ".cache" / "demo-run"
 
@@ -113,7 +113,7 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
         complete = report.trace_complete(spans, first.trace_id, fork)
         failed += not complete
         section(f"One request's trace ({first.request_id}, trace id {first.trace_id}"
-                f"{'' if complete else ', INCOMPLETE'})", span_tree(spans, first.trace_id))
+                f"{'' if complete else ', INCOMPLETE'})", report.span_tree(spans, first.trace_id))
     ex = report.prometheus_exemplars(prom, t_start - 5, time.time())
     if not ex:
         section("Exemplars", ["none stored by Prometheus (no exemplars on the engines' /metrics)"])
@@ -123,9 +123,11 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
         name, tid = resolved[0]
         lines = [f"{len(ex)} exemplar(s) in Prometheus; {name} -> trace {tid}"]
         if stack.receiver is not None:
-            lines += span_tree(stack.spans(), tid) or ["(trace not received)"]
+            lines += report.span_tree(stack.spans(), tid) or ["(trace not received)"]
         section("An exemplar resolved to its trace (Prometheus /api/v1/query_exemplars)", lines)
 
+    if stack.receiver is not None:  # every span received, for a closer look
+        (args.workdir / "spans.json").write_text(json.dumps(stack.spans()))
     if fork and not args.no_preview:
         data_panels = preview.query_panels(prom, t_start - 10, time.time(), JOB, SERVED_MODEL)
         path = preview.render(data_panels, preview.OUT, source="real vllm serve P/D (make demo)")

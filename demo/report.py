@@ -194,3 +194,31 @@ def prometheus_exemplars(prom: PrometheusServer, start: float, end: float) -> li
             if "trace_id" in ex.get("labels", {}):
                 out.append((series["seriesLabels"].get("__name__", "?"), ex["labels"]["trace_id"]))
     return out
+
+
+def span_tree(spans: list[dict[str, Any]], trace_id: str) -> list[str]:
+    """Indented lines for one trace (children in start order), safe against parent cycles."""
+    mine = {s["span_id"]: s for s in spans if s["trace_id"] == trace_id}
+    kids: dict[str | None, list[dict[str, Any]]] = defaultdict(list)
+    for s in mine.values():
+        parent = s["parent_span_id"] if s["parent_span_id"] in mine and s["parent_span_id"] != s["span_id"] \
+            else None
+        kids[parent].append(s)
+    keys = (Attr.NOTIF_AGENTS_ONLY, Attr.DIRECTION, Attr.TRIGGER, Attr.ERROR_TYPE)
+    lines: list[str] = []
+    seen: set[str] = set()
+    stack: list[tuple[dict[str, Any], int]] = [(s, 0) for s in sorted(kids[None], key=lambda x: x["start"],
+                                                                       reverse=True)]
+    while stack:
+        s, depth = stack.pop()
+        if s["span_id"] in seen:
+            continue
+        seen.add(s["span_id"])
+        ms = (s["end"] - s["start"]) / 1e6
+        attrs = " ".join(f"{k.rsplit('.', 1)[-1]}={s['attributes'][k]}" for k in keys if k in s["attributes"])
+        lines.append(f"{'  ' * depth}{s['name']}  [{s['service']}] {ms:.1f} ms {attrs}".rstrip())
+        stack += [(c, depth + 1) for c in sorted(kids[s["span_id"]], key=lambda x: x["start"], reverse=True)]
+    left = len(mine) - len(seen)
+    if left:
+        lines.append(f"({left} span(s) in a parent cycle, not shown)")
+    return lines
