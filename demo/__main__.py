@@ -106,6 +106,9 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
     section("Prometheus rules (dashboards/rules)", rules)
 
     first = seq[0] if seq else batch[0]
+    if stack.receiver is not None:  # every span received, for a closer look
+        report.wait_trace(stack.spans, first.trace_id, fork)
+        (args.workdir / "spans.json").write_text(json.dumps(stack.spans()))
     if stack.receiver is None:
         section("Trace", [f"trace id {first.trace_id}: open it in your tracing UI ({args.otlp_endpoint})"])
     else:
@@ -126,8 +129,6 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
             lines += report.span_tree(stack.spans(), tid) or ["(trace not received)"]
         section("An exemplar resolved to its trace (Prometheus /api/v1/query_exemplars)", lines)
 
-    if stack.receiver is not None:  # every span received, for a closer look
-        (args.workdir / "spans.json").write_text(json.dumps(stack.spans()))
     if fork and not args.no_preview:
         data_panels = preview.query_panels(prom, t_start - 10, time.time(), JOB, SERVED_MODEL)
         path = preview.render(data_panels, preview.OUT, source="real vllm serve P/D (make demo)")
