@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine of this kind (python 3.11, x86_64, no GPU):
 #   make test   - set up (venv, pinned deps, Debian prometheus) and run lint + dashboard check + tests
-#   make demo   - set up and run the main job: a real P/D push with handshake telemetry
+#   make demo   - set up and run the main job: real `vllm serve` P and D, the router, Prometheus, traces
 #   make test-vllm033 - the second CI lane: every test except real `vllm serve` on vLLM 0.33.0 (.venv-vllm033)
 # Re-running on a set-up machine skips the installs (stamp files).
 
@@ -27,7 +27,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup venv system-deps test lint check-dashboards dashboards demo bench clean venv-vllm033 test-vllm033
+.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench clean venv-vllm033 test-vllm033
 
 setup: venv system-deps
 
@@ -61,7 +61,7 @@ $(SYS_STAMP):
 	@touch $@
 
 lint: venv
-	$(VENV)/bin/ruff check connector harness dashboards tests benchmarks
+	$(VENV)/bin/ruff check connector harness dashboards tests benchmarks demo
 
 check-dashboards: venv
 	$(PY) -m dashboards.generate --check
@@ -78,7 +78,11 @@ test-vllm033: venv-vllm033 system-deps
 	VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm033 \
 	  $(PY033) -m pytest -q -p no:cacheprovider -m "not serve" $(PYTEST_ARGS)
 
+# DEMO_ARGS: e.g. --connector stock, --otlp-endpoint http://localhost:4317, --serve
 demo: setup
+	$(PY) -m demo $(DEMO_ARGS)
+
+demo-harness: setup
 	$(PY) -m harness.demo
 
 bench: setup

@@ -493,3 +493,32 @@ MAX_PEER_STRING = 256  # engine ids, hosts, request ids kept on spans or in logs
 
 # -- trust boundary (issue 9): error text that can quote what a peer sent -----------
 MAX_ERROR_MESSAGE = 1024  # a handshake error's message (logs, span events)
+
+# ------------------------------------------------------------------ router (connector.router)
+ROUTER_TRACER_NAME = "connector.router"
+SPAN_ROUTER_REQUEST = "router.request"  # SERVER span, one per client request
+SPAN_ROUTER_LEG_PREFIX = "router.leg."  # CLIENT span per leg: router.leg.prefill / router.leg.decode
+
+
+class RouterLeg(_Vocab):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def router_leg_span_name(leg: RouterLeg) -> str:
+    return SPAN_ROUTER_LEG_PREFIX + leg.value
+
+
+class RouterAttr:
+    """Router span attribute keys (OTel HTTP semantic conventions where one exists)."""
+
+    HTTP_ROUTE = "http.route"
+    HTTP_METHOD = "http.request.method"
+    HTTP_STATUS = "http.response.status_code"
+    URL = "url.full"
+    STREAM = "vllm.router.stream"
+    LEG = "vllm.router.leg"
+    REQUEST_ID = "gen_ai.request.id"
+    TRANSFER_ID = "vllm.nixl.transfer_id"
+    PREFILL_ENGINE_ID = "vllm.nixl.remote_engine_id"
+    ERROR_TYPE = "error.type"

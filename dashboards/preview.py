@@ -74,8 +74,6 @@ def collect(batches: int = 10, pause_s: float = 4.0, idle_s: float = 8.0) -> dic
     """Run harness + Prometheus; return every selected panel's query results."""
     from harness import PushHarness
 
-    dashboard = generate.build_dashboard()
-    panels = {p["title"]: p for p in generate.iter_panels(dashboard)}
     out: dict[str, Any] = {}
     with PushHarness.pd(connector="fork") as h:
         fronts = {name: h.frontend(name) for name in ("P", "D")}
@@ -94,28 +92,37 @@ def collect(batches: int = 10, pause_s: float = 4.0, idle_s: float = 8.0) -> dic
                     fe.observe(h.stats(name))
                 time.sleep(3)
                 end = time.time()
-                values = {"job": JOB, "model_name": "tiny-llama", "instance": ".*", "engine": "0",
-                          "__rate_interval": RATE_INTERVAL, "__range": f"{math.ceil(end - start)}s",
-                          "__interval": f"{STEP_S:g}s"}
-                for title in STATS + CHARTS:
-                    panel = panels[title]
-                    results = []
-                    for t in panel["targets"]:
-                        expr = promrun.fill_variables(t["expr"], values)
-                        if t.get("instant"):
-                            data = prom.query(expr, at=end)
-                        else:
-                            data = prom.query_range(expr, start, end, STEP_S)
-                        results.append((t["legendFormat"], data))
-                    out[title] = {"panel": panel, "results": results}
+                out = query_panels(prom, start, end)
         finally:
             for fe in fronts.values():
                 fe.close()
+    return out
+
+
+def query_panels(prom: promrun.PrometheusServer, start: float, end: float, job: str = JOB,
+                 model_name: str = "tiny-llama") -> dict[str, Any]:
+    """Every selected panel's own queries over [start, end], as `render` wants them."""
+    panels = {p["title"]: p for p in generate.iter_panels(generate.build_dashboard())}
+    values = {"job": job, "model_name": model_name, "instance": ".*", "engine": "0",
+              "__rate_interval": RATE_INTERVAL, "__range": f"{math.ceil(end - start)}s",
+              "__interval": f"{STEP_S:g}s"}
+    out: dict[str, Any] = {}
+    for title in STATS + CHARTS:
+        panel = panels[title]
+        results = []
+        for t in panel["targets"]:
+            expr = promrun.fill_variables(t["expr"], values)
+            if t.get("instant"):
+                data = prom.query(expr, at=end)
+            else:
+                data = prom.query_range(expr, start, end, STEP_S)
+            results.append((t["legendFormat"], data))
+        out[title] = {"panel": panel, "results": results}
     out["_window"] = (start, end)
     return out
 
 
-def render(data: dict[str, Any], path: Path) -> Path:
+def render(data: dict[str, Any], path: Path, source: str = "a real P/D push run") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,7 +133,7 @@ def render(data: dict[str, Any], path: Path) -> Path:
     rows = (len(CHARTS) + 1) // 2
     grid = fig.add_gridspec(1 + rows, 4, height_ratios=[0.55] + [1] * rows,
                             hspace=0.55, wspace=0.3, left=0.05, right=0.98, top=0.93, bottom=0.03)
-    fig.suptitle(f"{generate.DASHBOARD_TITLE} - preview from a real P/D push run "
+    fig.suptitle(f"{generate.DASHBOARD_TITLE} - preview from {source} "
                  f"({time.strftime('%Y-%m-%d %H:%M', time.localtime(end))}, {end - start:.0f} s window)",
                  color="white", fontsize=16)
     text_kw = {"color": "#ccccdc"}

@@ -1,4 +1,4 @@
-"""The main job (`make demo`): a real P/D push with the fork, and what operators see.
+"""The harness demo (`make demo-harness`): a real P/D push with the fork, and what operators see.
 
 Starts a local OTLP/gRPC receiver (standing in for Jaeger on 4317), a prefill and a
 decode engine in separate processes (real NIXL over UCX, real ZMQ side channels),

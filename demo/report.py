@@ -1,0 +1,224 @@
+"""What the demo prints after its requests, read from the running systems.
+
+Engine `/metrics` (vLLM's own endpoint, our metrics on it), Prometheus' API (rule
+states, phase medians, exemplars) and the OTLP receiver (trace trees). Nothing here
+is computed from the demo's own bookkeeping, except the output check.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+from connector.vocabulary import (
+    DESCRIPTOR_REGISTRATIONS,
+    DESCRIPTORS_REGISTERED,
+    DESCRIPTORS_SAVED,
+    HANDSHAKE_PHASE_DURATION,
+    HANDSHAKES,
+    PUSH_REG_NOTIFS,
+    PUSHES,
+    SPAN_HANDSHAKE,
+    SPAN_PHASE_PREFIX,
+    SPAN_PUSH_RECEIVE,
+    SPAN_PUSH_WRITE,
+    SPAN_ROUTER_REQUEST,
+    Attr,
+    Label,
+)
+from dashboards.promrun import PrometheusServer
+from demo.drive import Outcome
+
+Sample = tuple[str, dict[str, str], float]
+
+
+def samples(exposition: str) -> list[Sample]:
+    """(sample name, labels, value) of a Prometheus text exposition."""
+    return [(s.name, dict(s.labels), float(s.value))
+            for fam in parse_text(exposition) for s in fam.samples]
+
+
+def total(data: Iterable[Sample], name: str, **labels: str) -> float:
+    return sum(v for n, lab, v in data if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+
+_EXEMPLAR = re.compile(r'^(?P<name>[^{\s]+)(?:\{(?P<labels>[^}]*)\})?\s+\S+\s+#\s+\{(?P<ex>[^}]*)\}')
+_PAIR = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def exemplars(openmetrics: str) -> list[tuple[str, dict[str, str], str]]:
+    """(sample name, labels, trace_id) for every exemplar carrying a trace id.
+
+    Read line by line (`name{labels} value # {trace_id="..."} value [ts]`): the strict
+    OpenMetrics parser rejects vLLM's whole exposition over unrelated families.
+    """
+    out = []
+    for line in openmetrics.splitlines():
+        m = _EXEMPLAR.match(line)
+        if m is None:
+            continue
+        ex = dict(_PAIR.findall(m.group("ex")))
+        if "trace_id" in ex:
+            out.append((m.group("name"), dict(_PAIR.findall(m.group("labels") or "")), ex["trace_id"]))
+    return out
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "n/a"
+
+
+def handshake_lines(data: list[Sample], d_log: str) -> list[str]:
+    name = HANDSHAKES.name + "_total"
+    rows: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for n, lab, v in data:
+        if n == name and lab.get(Label.OUTCOME) == "success":
+            rows[lab[Label.DIRECTION]][lab[Label.NOTIF_AGENTS_ONLY]] += v
+    if not rows:
+        plans = d_log.count("Transfer plan")
+        return ["no handshake metrics (vLLM's stock connector exports none);",
+                f"D's log shows {plans} full D->P handshake(s) "
+                "(vLLM logs \"Transfer plan\" only on the full path)"]
+    lines = []
+    for direction in ("d_to_p", "p_to_d"):
+        r = rows.get(direction, {})
+        n_all = r.get("true", 0) + r.get("false", 0)
+        arrow = "D->P" if direction == "d_to_p" else "P->D"
+        lines.append(f"{arrow}: {n_all:.0f} handshake(s), {r.get('true', 0):.0f} notification-only "
+                     f"({_pct(r.get('true', 0), n_all)}), {r.get('false', 0):.0f} full")
+    return lines
+
+
+def descriptor_lines(data: list[Sample]) -> list[str]:
+    lines = []
+    for direction, arrow in (("p_to_d", "P->D"), ("d_to_p", "D->P")):
+        regs = total(data, DESCRIPTOR_REGISTRATIONS.name + "_total", direction=direction)
+        descs = total(data, DESCRIPTORS_REGISTERED.name + "_total", direction=direction)
+        lines.append(f"{arrow}: {regs:.0f} descriptor list(s) prepared, {descs:.0f} descriptors")
+    saved = total(data, DESCRIPTORS_SAVED.name + "_total", direction="d_to_p")
+    lines.append(f"saved by notification-only D->P: {saved:.0f} descriptors")
+    return lines
+
+
+def push_lines(p: list[Sample], d: list[Sample], outcomes: list[Outcome]) -> list[str]:
+    prompt_tokens = sum(len(o.prompt) for o in outcomes if not o.error)
+    from_kv = total(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    lines = [f"D prompt tokens that arrived as KV over NIXL: {from_kv:.0f} of {prompt_tokens} sent"]
+    if any(n.startswith(PUSHES.name) for n, _, _ in p):
+        lines.append(f"P pushes: {total(p, PUSHES.name + '_total', outcome='completed'):.0f} completed, "
+                     f"{total(p, PUSHES.name + '_total', outcome='failed'):.0f} failed; D PUSH_REG sent: "
+                     f"{total(d, PUSH_REG_NOTIFS.name + '_total', outcome='sent'):.0f}")
+    xfers = total(p, "vllm:nixl_xfer_time_seconds_count")
+    lines.append(f"P NIXL transfers (vLLM's own metric): {xfers:.0f}, "
+                 f"{total(p, 'vllm:nixl_bytes_transferred_sum') / 1024:.0f} KiB")
+    return lines
+
+
+def phase_lines(spans: list[dict[str, Any]], prom: PrometheusServer, job: str) -> tuple[str, list[str]]:
+    """Per-phase medians: exact, from the phase spans when we have them; else Prometheus means."""
+    direction_of = {s["span_id"]: s["attributes"].get(Attr.DIRECTION) for s in spans
+                    if s["name"] == SPAN_HANDSHAKE}
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for s in spans:
+        if s["name"].startswith(SPAN_PHASE_PREFIX) and Attr.PHASE in s["attributes"]:
+            key = (direction_of.get(s["parent_span_id"]) or "?", s["attributes"][Attr.PHASE])
+            groups[key].append((s["end"] - s["start"]) / 1e6)
+    if groups:
+        rows = [(d, p, statistics.median(v), len(v)) for (d, p), v in sorted(groups.items())]
+        source = "median of the phase spans received"
+    else:
+        metric, by = HANDSHAKE_PHASE_DURATION.name, f"{Label.DIRECTION}, {Label.PHASE}"
+        expr = (f'sum by ({by}) ({metric}_sum{{job="{job}"}}) / '
+                f'sum by ({by}) ({metric}_count{{job="{job}"}}) > -1')  # `> -1` drops NaN (no samples)
+        counts = {(r["metric"][Label.DIRECTION], r["metric"][Label.PHASE]): float(r["value"][1])
+                  for r in prom.query(f'sum by ({by}) ({metric}_count{{job="{job}"}})')}
+        rows = sorted((r["metric"][Label.DIRECTION], r["metric"][Label.PHASE], float(r["value"][1]) * 1e3,
+                       int(counts.get((r["metric"][Label.DIRECTION], r["metric"][Label.PHASE]), 0)))
+                      for r in prom.query(expr))
+        source = "mean from Prometheus (_sum/_count)"
+    if not rows:
+        return source, ["no handshake phases recorded"]
+    out = []
+    for direction in sorted({r[0] for r in rows}):
+        parts = [f"{phase} {ms:.2f}" for d, phase, ms, _ in rows if d == direction]
+        arrow = {"d_to_p": "D->P", "p_to_d": "P->D"}.get(direction, direction)
+        out.append(f"{arrow} (ms): " + ", ".join(parts))
+    return source, out
+
+
+def rule_lines(prom: PrometheusServer) -> tuple[list[str], int]:
+    """Lines and the number of alerts firing."""
+    groups = prom.api("/api/v1/rules", post=False)["data"]["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    alerts = [r for r in rules if r["type"] == "alerting"]
+    unhealthy = [r["name"] for r in rules if r.get("health") != "ok"]
+    firing = [r["name"] for r in alerts if r["state"] == "firing"]
+    states = ", ".join(f"{r['name']} {r['state']}" for r in alerts)
+    lines = [f"{len(rules)} rules loaded ({len(alerts)} alerts), "
+             f"{'all healthy' if not unhealthy else 'unhealthy: ' + ', '.join(unhealthy)}",
+             f"alerts firing: {', '.join(firing) if firing else 'none'}",
+             f"states: {states}"]
+    return lines, len(firing)
+
+
+def trace_complete(spans: list[dict[str, Any]], trace_id: str, fork: bool) -> bool:
+    """Router span, both engines' llm_request spans and (fork) our push spans."""
+    got = {(s["service"], s["name"]) for s in spans if s["trace_id"] == trace_id}
+    want = {("router", SPAN_ROUTER_REQUEST), ("vllm-prefill", "llm_request"), ("vllm-decode", "llm_request")}
+    if fork:
+        want |= {("vllm-decode", SPAN_PUSH_RECEIVE), ("vllm-prefill", SPAN_PUSH_WRITE)}
+    return want <= got
+
+
+def wait_trace(get_spans: Any, trace_id: str, fork: bool, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    spans = get_spans()
+    while not trace_complete(spans, trace_id, fork) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        spans = get_spans()
+    return spans
+
+
+def prometheus_exemplars(prom: PrometheusServer, start: float, end: float) -> list[tuple[str, str]]:
+    """(series name, trace_id) of every exemplar Prometheus stored for our metrics."""
+    answer = prom.api("/api/v1/query_exemplars", {"query": '{__name__=~"vllm:nixl_.+"}',
+                                                  "start": f"{start:.3f}", "end": f"{end:.3f}"})
+    out = []
+    for series in answer.get("data") or []:
+        for ex in series.get("exemplars", []):
+            if "trace_id" in ex.get("labels", {}):
+                out.append((series["seriesLabels"].get("__name__", "?"), ex["labels"]["trace_id"]))
+    return out
+
+
+def span_tree(spans: list[dict[str, Any]], trace_id: str) -> list[str]:
+    """Indented lines for one trace (children in start order), safe against parent cycles."""
+    mine = {s["span_id"]: s for s in spans if s["trace_id"] == trace_id}
+    kids: dict[str | None, list[dict[str, Any]]] = defaultdict(list)
+    for s in mine.values():
+        parent = s["parent_span_id"] if s["parent_span_id"] in mine and s["parent_span_id"] != s["span_id"] \
+            else None
+        kids[parent].append(s)
+    keys = (Attr.NOTIF_AGENTS_ONLY, Attr.DIRECTION, Attr.TRIGGER, Attr.ERROR_TYPE)
+    lines: list[str] = []
+    seen: set[str] = set()
+    stack: list[tuple[dict[str, Any], int]] = [(s, 0) for s in sorted(kids[None], key=lambda x: x["start"],
+                                                                       reverse=True)]
+    while stack:
+        s, depth = stack.pop()
+        if s["span_id"] in seen:
+            continue
+        seen.add(s["span_id"])
+        ms = (s["end"] - s["start"]) / 1e6
+        attrs = " ".join(f"{k.rsplit('.', 1)[-1]}={s['attributes'][k]}" for k in keys if k in s["attributes"])
+        lines.append(f"{'  ' * depth}{s['name']}  [{s['service']}] {ms:.1f} ms {attrs}".rstrip())
+        stack += [(c, depth + 1) for c in sorted(kids[s["span_id"]], key=lambda x: x["start"], reverse=True)]
+    left = len(mine) - len(seen)
+    if left:
+        lines.append(f"({left} span(s) in a parent cycle, not shown)")
+    return lines

@@ -1,0 +1,394 @@
+"""The push-aware router against small real HTTP engines on loopback.
+
+The engines here are tiny ASGI apps (uvicorn, real sockets) that record what arrived
+and can be told to wait for the other leg, fail, or hang until disconnected. A P
+engine that answers only after D's leg has arrived, and a D engine that answers only
+after P's leg arrived, prove both legs are in flight at once: a router that sent
+them one after the other would time out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from connector.router.app import build_app
+from connector.router.config import ConfigError, PrefillTarget, RouterConfig
+from connector.router.tracing import RouterTracing
+from connector.vocabulary import SPAN_ROUTER_REQUEST, RouterLeg, router_leg_span_name
+
+WAIT_S = 15.0
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Served:
+    """A real uvicorn server for `app` on a loopback port, in a thread."""
+
+    def __init__(self, app: Any):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="auto"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, "uvicorn start")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+class Journal:
+    """What all engines saw, in order, shared by P and D engines of one test."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: list[tuple[str, str]] = []  # (event, engine name)
+        self.requests: dict[str, list[dict[str, Any]]] = {}
+
+    def add(self, event: str, name: str, request: dict[str, Any] | None = None) -> None:
+        with self.lock:
+            self.events.append((event, name))
+            if request is not None:
+                self.requests.setdefault(name, []).append(request)
+
+    def seen(self, event: str, prefix: str) -> int:
+        with self.lock:
+            return sum(1 for e, n in self.events if e == event and n.startswith(prefix))
+
+
+class Engine:
+    """An ASGI engine. mode: ok | fail | bad | hang; `waits_for` names the other leg's prefix."""
+
+    def __init__(self, name: str, journal: Journal, mode: str = "ok", waits_for: str = ""):
+        self.name, self.journal, self.mode, self.waits_for = name, journal, mode, waits_for
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        self.journal.add("connect", self.name)
+        raw = b""
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":  # cancelled before the body was sent
+                self.journal.add("disconnect", self.name)
+                return
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        body = json.loads(raw)
+        self.journal.add("arrive", self.name, {"body": body, "headers": headers})
+        if self.mode == "hang":
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.journal.add("disconnect", self.name)
+            return
+        if self.waits_for:
+            deadline = time.monotonic() + WAIT_S
+            while not self.journal.seen("arrive", self.waits_for):
+                if time.monotonic() > deadline:
+                    await self._json(send, 500, {"error": f"{self.waits_for} leg never arrived"})
+                    return
+                await asyncio.sleep(0.01)
+        if self.mode == "fail":
+            await self._json(send, 500, {"error": "engine exploded"})
+        elif self.mode == "bad":
+            await self._json(send, 400, {"error": {"message": "prompt too long", "code": 400}})
+        elif body.get("stream"):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            for tok in (11, 12, 13):
+                chunk = {"choices": [{"token_ids": [tok]}], "engine": self.name}
+                await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        else:
+            await self._json(send, 200, {"choices": [{"token_ids": [11, 12, 13]}], "engine": self.name})
+        self.journal.add("answer", self.name)
+
+    @staticmethod
+    async def _json(send: Any, status: int, obj: Any) -> None:
+        data = json.dumps(obj).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": data})
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+class Deployment:
+    """P engines, D engines and the router in front of them, all on loopback."""
+
+    def __init__(self, p_modes: list[str], d_modes: list[str], exporter: Any = None,
+                 p_urls: list[str] | None = None):
+        self.journal = Journal()
+        self.servers: list[Served] = []
+        self.prefill = []
+        for i, mode in enumerate(p_modes):
+            srv = self._serve(Engine(f"P{i}", self.journal, mode, waits_for="D"))
+            self.prefill.append(PrefillTarget(srv.url, f"prefill-{i}", "127.0.0.1", 5600 + i))
+        for url in p_urls or []:
+            self.prefill.append(PrefillTarget(url, "prefill-down", "127.0.0.1", 5699))
+        decode = [self._serve(Engine(f"D{i}", self.journal, mode, waits_for="P")).url
+                  for i, mode in enumerate(d_modes)]
+        self.tracing = RouterTracing(exporter=exporter)
+        self.router = self._serve(build_app(RouterConfig(tuple(self.prefill), tuple(decode)), self.tracing))
+        self.client = httpx.Client(base_url=self.router.url, timeout=60)
+
+    def _serve(self, app: Any) -> Served:
+        srv = Served(app)
+        self.servers.append(srv)
+        return srv
+
+    def post(self, body: Any, headers: dict[str, str] | None = None, path: str = "/v1/completions"
+             ) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return self.client.post(path, content=content, headers=headers or {})
+
+    def close(self) -> None:
+        self.client.close()
+        for srv in reversed(self.servers):
+            srv.stop()
+
+
+@pytest.fixture
+def deploy() -> Iterator[Callable[..., Deployment]]:
+    made: list[Deployment] = []
+
+    def make(*args: Any, **kwargs: Any) -> Deployment:
+        made.append(Deployment(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.close()
+
+
+BODY = {"model": "tiny", "prompt": [1, 2, 3, 4, 5], "max_tokens": 3, "temperature": 0}
+
+
+def test_both_legs_in_flight_at_once_with_shared_ids_and_p_coordinates(deploy):
+    dep = deploy(["ok"], ["ok"])
+    resp = dep.post(BODY, {"X-Request-Id": "req-42"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["engine"] == "D0"
+    events = [e for e in dep.journal.events if e[0] != "connect"]
+    first_answer = next(i for i, (e, _) in enumerate(events) if e == "answer")
+    assert {n for e, n in events[:first_answer] if e == "arrive"} == {"P0", "D0"}
+    p = dep.journal.requests["P0"][0]
+    d = dep.journal.requests["D0"][0]
+    assert p["headers"]["x-request-id"] == d["headers"]["x-request-id"] == "req-42"
+    assert p["body"]["max_tokens"] == 1 and p["body"]["prompt"] == BODY["prompt"]
+    assert p["body"]["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                               "transfer_id": "req-42"}
+    assert d["body"]["max_tokens"] == 3
+    assert d["body"]["kv_transfer_params"] == {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-0",
+        "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1, "pp_size": 1,
+        "remote_request_id": "req-42", "transfer_id": "req-42"}
+
+
+def test_router_generates_a_request_id_when_the_client_sends_none(deploy):
+    dep = deploy(["ok"], ["ok"])
+    assert dep.post(BODY).status_code == 200
+    p, d = dep.journal.requests["P0"][0], dep.journal.requests["D0"][0]
+    rid = p["headers"]["x-request-id"]
+    assert rid and rid == d["headers"]["x-request-id"] == d["body"]["kv_transfer_params"]["remote_request_id"]
+
+
+def test_prefill_failure_cancels_the_decode_leg(deploy):
+    dep = deploy(["fail"], ["hang"])
+    resp = dep.post(BODY)
+    assert resp.status_code == 502
+    assert "prefill leg failed with HTTP 500" in resp.json()["error"]["message"]
+    wait_until(lambda: dep.journal.seen("disconnect", "D0") == 1, "D to see the router hang up")
+
+
+def test_prefill_down_gives_503_and_cancels_decode(deploy):
+    dep = deploy([], ["hang"], p_urls=[closed_port_url()])
+    resp = dep.post(BODY)
+    assert resp.status_code == 503
+    assert resp.json()["error"]["message"].startswith("prefill leg unreachable: ConnectError")
+    # P refuses at once, often before D's leg is even sent; if D got it, it saw the hang-up.
+    wait_until(lambda: dep.journal.seen("disconnect", "D0") == dep.journal.seen("connect", "D0"),
+               "D to see the router hang up")
+
+
+def test_decode_down_gives_503_and_cancels_prefill():
+    journal = Journal()
+    p_srv = Served(Engine("P0", journal, "hang"))
+    tracing = RouterTracing()
+    router = Served(build_app(RouterConfig(
+        (PrefillTarget(p_srv.url, "prefill-0", "127.0.0.1", 5600),), (closed_port_url(),)), tracing))
+    try:
+        resp = httpx.post(router.url + "/v1/completions", json=BODY, timeout=30)
+        assert resp.status_code == 503
+        assert resp.json()["error"]["message"].startswith("decode leg unreachable")
+        # D refuses at once, often before P's leg is even sent; if P got it, it saw the hang-up.
+        wait_until(lambda: journal.seen("disconnect", "P0") == journal.seen("connect", "P0"),
+                   "P to see the router hang up")
+    finally:
+        router.stop()
+        p_srv.stop()
+
+
+def test_engine_4xx_is_returned_with_the_engines_reason(deploy):
+    dep = deploy(["ok"], ["bad"])
+    resp = dep.post(BODY)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"] == "prompt too long"
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b"{not json", "body is not valid JSON"),
+    (b"[1, 2]", "body must be a JSON object"),
+    (json.dumps({"model": "tiny"}).encode(), "'prompt' is required"),
+    (json.dumps({**BODY, "kv_transfer_params": {}}).encode(), "'kv_transfer_params' is set by the router"),
+    (json.dumps({**BODY, "stream": "yes"}).encode(), "'stream' must be true or false"),
+    (json.dumps({**BODY, "n": 2}).encode(), "'n' other than 1"),
+])
+def test_bad_body_gets_400_with_reason_and_no_leg_is_sent(deploy, raw, reason):
+    dep = deploy(["ok"], ["ok"])
+    resp = dep.post(raw)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"].startswith(reason)
+    assert dep.journal.requests == {}
+
+
+def test_round_robin_over_several_p_and_d(deploy):
+    dep = deploy(["ok", "ok"], ["ok", "ok"])
+    for i in range(4):
+        assert dep.post(BODY, {"X-Request-Id": f"rr-{i}"}).status_code == 200
+    reqs = dep.journal.requests
+    assert [len(reqs[n]) for n in ("P0", "P1", "D0", "D1")] == [2, 2, 2, 2]
+    p_engine = {r["headers"]["x-request-id"]: int(n[1]) for n in ("P0", "P1") for r in reqs[n]}
+    for n in ("D0", "D1"):
+        for r in reqs[n]:
+            kv = r["body"]["kv_transfer_params"]
+            # D is pointed at the P that got the same request
+            assert kv["remote_engine_id"] == f"prefill-{p_engine[kv['remote_request_id']]}"
+            assert kv["remote_port"] == 5600 + p_engine[kv["remote_request_id"]]
+
+
+def test_streaming_proxies_decode_sse_and_prefill_is_not_streamed(deploy):
+    dep = deploy(["ok"], ["ok"])
+    with dep.client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        data = b"".join(resp.iter_raw()).decode()
+    events = [line[6:] for line in data.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert [json.loads(e)["choices"][0]["token_ids"][0] for e in events[:-1]] == [11, 12, 13]
+    p = dep.journal.requests["P0"][0]["body"]
+    assert "stream" not in p and p["max_tokens"] == 1
+    assert dep.journal.requests["D0"][0]["body"]["stream"] is True
+
+
+def test_streaming_prefill_failure_cancels_decode(deploy):
+    dep = deploy(["fail"], ["hang"])
+    resp = dep.post({**BODY, "stream": True})
+    assert resp.status_code == 502
+    assert "prefill leg failed" in resp.json()["error"]["message"]
+    wait_until(lambda: dep.journal.seen("disconnect", "D0") == 1, "D to see the router hang up")
+
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER_SPAN = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{CALLER_SPAN}-01"
+
+
+def _parent_of(traceparent: str) -> tuple[str, str]:
+    _, trace_id, span_id, _ = traceparent.split("-")
+    return trace_id, span_id
+
+
+def test_router_span_is_child_of_callers_trace_and_parents_both_legs(deploy):
+    exporter = InMemorySpanExporter()
+    dep = deploy(["ok"], ["ok"], exporter=exporter)
+    assert dep.post(BODY, {"traceparent": TRACEPARENT}).status_code == 200
+    dep.tracing.provider.force_flush()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    server = spans[SPAN_ROUTER_REQUEST]
+    assert f"{server.context.trace_id:032x}" == TRACE_ID
+    assert f"{server.parent.span_id:016x}" == CALLER_SPAN
+    for leg, engine in ((RouterLeg.PREFILL, "P0"), (RouterLeg.DECODE, "D0")):
+        span = spans[router_leg_span_name(leg)]
+        assert span.parent.span_id == server.context.span_id
+        sent = dep.journal.requests[engine][0]["headers"]["traceparent"]
+        assert _parent_of(sent) == (TRACE_ID, f"{span.context.span_id:016x}")
+    assert server.attributes["http.response.status_code"] == 200
+
+
+def test_router_starts_a_trace_when_the_caller_sends_none(deploy):
+    exporter = InMemorySpanExporter()
+    dep = deploy(["ok"], ["ok"], exporter=exporter)
+    assert dep.post(BODY).status_code == 200
+    dep.tracing.provider.force_flush()
+    server = next(s for s in exporter.get_finished_spans() if s.name == SPAN_ROUTER_REQUEST)
+    assert server.parent is None
+    sent = {dep.journal.requests[e][0]["headers"]["traceparent"] for e in ("P0", "D0")}
+    assert {_parent_of(t)[0] for t in sent} == {f"{server.context.trace_id:032x}"}
+
+
+def test_without_tracing_the_callers_traceparent_goes_to_both_legs_unchanged(deploy):
+    dep = deploy(["ok"], ["ok"])
+    assert dep.post(BODY, {"traceparent": TRACEPARENT}).status_code == 200
+    assert {dep.journal.requests[e][0]["headers"]["traceparent"] for e in ("P0", "D0")} == {TRACEPARENT}
+
+
+def test_failed_request_marks_the_router_span_as_error(deploy):
+    exporter = InMemorySpanExporter()
+    dep = deploy(["fail"], ["hang"], exporter=exporter)
+    assert dep.post(BODY).status_code == 502
+    dep.tracing.provider.force_flush()
+    server = next(s for s in exporter.get_finished_spans() if s.name == SPAN_ROUTER_REQUEST)
+    assert server.status.status_code.name == "ERROR"
+    assert server.attributes["error.type"] == "prefill_failed"
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ("http://p:8100,engine_id=p0", "lacks side_channel"),
+    ("http://p:8100,engine_id=p0,side_channel=p", "HOST:PORT"),
+    ("ftp://p,engine_id=p0,side_channel=p:1", r"not an http\(s\) URL"),
+    ("http://p:8100,engine_id=p0,side_channel=p:1,colour=red", "unknown keys"),
+])
+def test_bad_prefill_spec_is_rejected_with_reason(spec, problem):
+    with pytest.raises(ConfigError, match=problem):
+        PrefillTarget.parse(spec)
+
+
+def test_prefill_spec_parses_coordinates():
+    t = PrefillTarget.parse("http://p0:8100/,engine_id=prefill-0,side_channel=10.0.0.5:5600,tp_size=2")
+    assert (t.url, t.engine_id, t.side_channel_host, t.side_channel_port, t.tp_size, t.pp_size) == \
+        ("http://p0:8100", "prefill-0", "10.0.0.5", 5600, 2, 1)
