@@ -17,7 +17,10 @@ from typing import Any
 import numpy as np
 
 from harness.config import EngineSpec
-from harness.runner import START_TIMEOUT_S, EngineError, EngineHandle
+from harness.runner import EngineError, EngineHandle
+
+# Ranks of several engines start at once on a small, shared machine: be patient.
+START_TIMEOUT_S = 600.0
 
 
 class Cluster:
@@ -47,7 +50,15 @@ class Cluster:
 
     def start(self) -> Cluster:
         """Spawn every rank at once (they rendezvous in gloo), then serve metadata."""
+        self.launch()
+        return self.finish_start()
+
+    def launch(self) -> None:
+        """Spawn the rank processes without waiting (start several engines in parallel)."""
         self.ranks = [EngineHandle(s) for s in self.rank_specs]
+
+    def finish_start(self) -> Cluster:
+        """Wait for every rank, then hand rank 0 every rank's metadata."""
         try:
             for handle in self.ranks:
                 handle.wait_ready(START_TIMEOUT_S)

@@ -20,6 +20,7 @@ import secrets
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,6 +222,58 @@ class ShapeRunner:
         return res
 
 
+@dataclass(frozen=True)
+class PShape:
+    tp: int = 1
+    pp: int = 1
+    block_size: int = D_BLOCK_SIZE
+    d_tps: tuple[int, ...] = (1, 2)  # D engines (TP sizes) run against this P
+
+
+# The matrix: P TP x D TP in {(1,1),(1,2),(2,1),(2,2),(4,2)}, P PP 2, P block 64 vs D 32.
+MATRIX = (
+    PShape(tp=1, d_tps=(1, 2)),
+    PShape(tp=2, d_tps=(1, 2)),
+    PShape(tp=4, d_tps=(2,)),
+    PShape(tp=1, pp=2, d_tps=(1,)),
+    PShape(tp=1, block_size=64, d_tps=(1,)),
+)
+
+
+def run_matrix(workdir: str, shapes: tuple[PShape, ...] = MATRIX, requests: int = 2,
+               tracing: Any = "memory") -> Iterator[tuple[Cluster, Cluster, CaseResult]]:
+    """Every shape against a fork D and a stock D of each TP size, side by side.
+
+    D engines start once and serve every P shape; P engines start one at a time
+    (few processes at once on a small machine). Yields (P, D, result) per case.
+    """
+    d_tps = sorted({t for s in shapes for t in s.d_tps})
+    ds: dict[tuple[str, int], Cluster] = {}
+    try:
+        for tp in d_tps:
+            for conn in (FORK, STOCK):
+                spec = engine_spec(f"D{tp}{conn}", "kv_consumer", conn, tp=tp, workdir=workdir,
+                                   tracing=tracing if conn == FORK else None)
+                ds[(conn, tp)] = Cluster(spec)
+        for cluster in ds.values():
+            cluster.launch()
+        for cluster in ds.values():
+            cluster.finish_start()
+        runner = ShapeRunner(requests=requests)
+        for i, shape in enumerate(shapes):
+            p = Cluster(engine_spec(f"P{i}tp{shape.tp}pp{shape.pp}bs{shape.block_size}", "kv_producer",
+                                    FORK, tp=shape.tp, pp=shape.pp, block_size=shape.block_size,
+                                    workdir=workdir))
+            with p:
+                for tp in shape.d_tps:
+                    for conn in (FORK, STOCK):
+                        d = ds[(conn, tp)]
+                        yield p, d, runner.run_case(p, d)
+    finally:
+        for cluster in ds.values():
+            cluster.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -232,8 +285,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connector", choices=[FORK, STOCK], default=FORK, help="the D engine's connector")
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--matrix", action="store_true",
+                    help="run the whole matrix (fork and stock D side by side), one JSON line per case")
     args = ap.parse_args(argv)
     work = args.workdir or tempfile.mkdtemp(prefix="shapes-")
+    if args.matrix:
+        print(f"engine logs: {work}/*.log", file=sys.stderr)
+        ok = True
+        for _, _, res in run_matrix(work, requests=args.requests, tracing=None):
+            print(json.dumps(res.summary()), flush=True)
+            ok = ok and res.bytes_ok
+        return 0 if ok else 1
     p = Cluster(engine_spec("P", "kv_producer", FORK, tp=args.p_tp, pp=args.p_pp,
                             block_size=args.p_block_size, workdir=work))
     d = Cluster(engine_spec("D", "kv_consumer", args.connector, tp=args.d_tp,

@@ -54,7 +54,7 @@ from connector.telemetry.record import (
     HandshakeRecord,
     PhaseSegment,
 )
-from connector.telemetry.savings import full_handshake_saving
+from connector.telemetry.savings import LocalListLedger, shape_aware_saving
 from connector.telemetry.stats import ObservedNixlStats
 from connector.telemetry.tracing import (
     SpanEmitter,
@@ -348,9 +348,15 @@ class ObservedPushWorker(NixlPushConnectorWorker):
 
     def _count_saving(self, record: HandshakeRecord, meta: NixlAgentMetadata) -> None:
         try:
-            saving = full_handshake_saving(
+            # The ledger lives on the worker: local lists count once per worker, as in vLLM.
+            ledger = self.__dict__.setdefault("_saving_ledger", LocalListLedger())
+            saving = shape_aware_saving(
                 meta, local_block_size=self.block_size, local_num_descs=self.num_descs,
+                local_tp_size=self.world_size, remote_tp_size=record.remote_tp_size,
+                remote_pp_size=record.remote_pp_size,
                 registered_block_sizes=set(self.src_xfer_handles_by_block_size),
+                registered_tp_splits=set(self.src_xfer_handles_by_tp_ratio),
+                ledger=ledger, splits_local=not self.use_mla,
                 local_regions=len(self.block_len_per_layer) if self.pp_size > 1 else None,
                 local_region_offset=self._remote_region_offset,
             )
