@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from connector.vocabulary import SPAN_HANDSHAKE, Attr
 from harness.cluster import Cluster, wait_until
 from harness.config import FORK, STOCK, EngineSpec
 from harness.runner import free_port
@@ -49,6 +50,7 @@ class CaseResult:
     calls: list[list[tuple[str, str, int]]] = field(default_factory=list)  # per D rank, this case
     stats: list[list[dict[str, Any]]] = field(default_factory=list)  # per D rank
     spans: list[list[dict[str, Any]]] = field(default_factory=list)  # per D rank (memory tracing)
+    p_handshakes: list[list[dict[str, Any]]] = field(default_factory=list)  # per P rank, P->D
     failed: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -59,7 +61,11 @@ class CaseResult:
 
     @property
     def d_to_p_full_handshakes(self) -> int:
-        return sum(not h["notif_only"] for h in self.d_to_p)
+        """Fork: from its records. Stock (no records): D ranks that prepared a remote list."""
+        if self.connector == FORK:
+            return sum(not h["notif_only"] for h in self.d_to_p)
+        return sum(any(c[0] == "prep_xfer_dlist" and c[1] != LOCAL_AGENT for c in rank)
+                   for rank in self.calls)
 
     def saved(self, key: str) -> list[int]:
         return [sum(h[key] for h in rank) for rank in self.handshakes]
@@ -78,10 +84,10 @@ class CaseResult:
         remote_lists, remote_descs = self.prepared(local=False)
         local_lists, local_descs = self.prepared(local=True)
         out: dict[str, Any] = {**self.shape, "connector": self.connector, "bytes_ok": self.bytes_ok,
-                               "d_to_p_handshakes": len(self.d_to_p),
                                "d_to_p_full_handshakes": self.d_to_p_full_handshakes,
                                "failed_requests": len(self.failed)}
         if self.connector == FORK:
+            out["d_to_p_handshakes"] = len(self.d_to_p)
             out["d_to_p_notif_only_handshakes"] = len(self.d_to_p) - self.d_to_p_full_handshakes
             out["d_to_p_triggers"] = sorted({h["trigger"] for h in self.d_to_p})
             out["descriptors_saved"] = sum(self.saved("saved_descriptors"))
@@ -215,11 +221,19 @@ class ShapeRunner:
         res.stats = drain_stats(d)
         res.handshakes = [_d_to_p_records(s) for s in res.stats]
         res.calls = self._new_calls(d)
+        res.p_handshakes = [[h for st in rank for h in st.get("handshakes", [])
+                             if h["direction"] == "p_to_d"] for rank in drain_stats(p, rounds=1)]
         if d.spec.tracing == "memory":
-            res.spans = [[s for s in spans
-                          if s["attributes"].get("vllm.nixl.remote_engine_id") == p.spec.engine_id]
-                         for spans in d.call_all("spans")]
+            res.spans = [_handshake_spans(spans, p.spec.engine_id) for spans in d.call_all("spans")]
         return res
+
+
+def _handshake_spans(spans: list[dict[str, Any]], remote_engine_id: str) -> list[dict[str, Any]]:
+    """Handshake spans to one remote engine, with their phase spans."""
+    top = [s for s in spans if s["name"] == SPAN_HANDSHAKE
+           and s["attributes"].get(Attr.REMOTE_ENGINE_ID) == remote_engine_id]
+    ids = {s["span_id"] for s in top}
+    return top + [s for s in spans if s["parent_span_id"] in ids]
 
 
 @dataclass(frozen=True)
