@@ -115,6 +115,7 @@ def build_vllm_config(spec: EngineSpec) -> Any:
                           kv_buffer_device="cpu", kv_connector_extra_config=dict(spec.extra_config))
     parallel = ParallelConfig(tensor_parallel_size=spec.tp_size,
                               pipeline_parallel_size=spec.pp_size)
+    parallel.rank = spec.rank  # vLLM's worker sets it; PP layer ranges are derived from it
     return VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=kv,
                       device_config=DeviceConfig("cpu"), parallel_config=parallel)
 
