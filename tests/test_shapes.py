@@ -22,7 +22,9 @@ from harness.config import FORK, STOCK
 from harness.frontend import frontend_for
 from harness.shapes import MATRIX, CaseResult, run_matrix
 
-pytestmark = [pytest.mark.real, pytest.mark.shapes]
+# The module's engines start once (fixture); on a loaded shared machine that alone can
+# exceed the suite's default per-test timeout.
+pytestmark = [pytest.mark.real, pytest.mark.shapes, pytest.mark.timeout(1800)]
 
 
 def case_id(p_tp: int, p_pp: int, p_bs: int, d_tp: int) -> str:
