@@ -21,7 +21,13 @@ FORK = "fork"
 
 @dataclass
 class EngineSpec:
-    """One engine of the harness (one process: scheduler-role listener + one worker)."""
+    """One engine of the harness, or one rank of a multi-rank engine.
+
+    With `tp_size * pp_size == 1` the process holds the scheduler-role listener
+    and the only worker. With more ranks, each rank is its own process (`rank`),
+    `num_kv_heads` and `num_layers` are the model's totals, and rank 0 also hosts
+    the side channel serving every rank's metadata (see `harness.cluster`).
+    """
 
     name: str
     engine_id: str
@@ -38,6 +44,28 @@ class EngineSpec:
     # dicts may add max_queue_size, max_export_batch_size, export_timeout_s
     tracing: Any = None
     workdir: str = "/tmp"
+    tp_size: int = 1
+    pp_size: int = 1
+    rank: int = 0
+    dist_init_file: str | None = None  # shared file:// rendezvous of one engine's ranks
+    log_file: str | None = None  # engine logs go here (stderr of the process)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    def layer_range(self) -> tuple[int, int]:
+        """[start, end) of the layers this rank holds (vLLM's even PP split)."""
+        per = self.num_layers // self.pp_size
+        return self.pp_rank * per, (self.pp_rank + 1) * per
 
 
 def write_model_dir(root: Path, num_layers: int, num_kv_heads: int = NUM_KV_HEADS) -> Path:
@@ -74,6 +102,7 @@ def build_vllm_config(spec: EngineSpec) -> Any:
         DeviceConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         VllmConfig,
     )
 
@@ -86,8 +115,11 @@ def build_vllm_config(spec: EngineSpec) -> Any:
     kv = KVTransferConfig(kv_connector=name, kv_connector_module_path=module_path,
                           kv_role=spec.kv_role, engine_id=spec.engine_id,
                           kv_buffer_device="cpu", kv_connector_extra_config=dict(spec.extra_config))
+    parallel = ParallelConfig(tensor_parallel_size=spec.tp_size,
+                              pipeline_parallel_size=spec.pp_size)
+    parallel.rank = spec.rank  # vLLM's worker sets it; PP layer ranges are derived from it
     return VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=kv,
-                      device_config=DeviceConfig("cpu"))
+                      device_config=DeviceConfig("cpu"), parallel_config=parallel)
 
 
 def build_kv_cache_config(spec: EngineSpec) -> Any:
@@ -99,11 +131,13 @@ def build_kv_cache_config(spec: EngineSpec) -> Any:
         KVCacheTensor,
     )
 
-    attn = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+    # Each TP rank holds its slice of the KV heads, each PP rank its slice of layers.
+    attn = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads // spec.tp_size,
                              head_size=HEAD_DIM, dtype=torch.float32)
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)]
+    start, end = spec.layer_range()
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(start, end)]
     page = attn.page_size_bytes
-    tensor = KVCacheTensor(size=page * spec.num_blocks * spec.num_layers, layers=layers,
+    tensor = KVCacheTensor(size=page * spec.num_blocks * len(layers), layers=layers,
                            layer_stride=page * spec.num_blocks, block_stride=page)
     return KVCacheConfig(num_blocks=spec.num_blocks, kv_cache_tensors=[tensor],
                          kv_cache_groups=[KVCacheGroupSpec(layers, attn)])

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import hashlib
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -91,10 +92,13 @@ class Engine:
         self.kv_cache_config = build_kv_cache_config(spec)
         self._config_ctx = set_current_vllm_config(self.vllm_config)
         self._config_ctx.__enter__()
-        init_file = tempfile.mktemp(prefix="harness-dist-", dir=spec.workdir)
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+        init_file = spec.dist_init_file or tempfile.mktemp(prefix="harness-dist-", dir=spec.workdir)
+        # vLLM's CPU worker names the ranks' shared-memory group after the init file.
+        os.environ["VLLM_DIST_IDENT"] = os.path.basename(init_file)
+        init_distributed_environment(world_size=spec.world_size, rank=spec.rank,
+                                     local_rank=spec.rank, backend="gloo",
                                      distributed_init_method=f"file://{init_file}")
-        initialize_model_parallel(1, 1)
+        initialize_model_parallel(spec.tp_size, spec.pp_size)
 
         cls = KVConnectorFactory.get_connector_class(self.vllm_config.kv_transfer_config)
         affinity = os.sched_getaffinity(0)
@@ -103,7 +107,9 @@ class Engine:
         finally:
             # vLLM's CPU worker pins the whole process to one core: undo it.
             os.sched_setaffinity(0, affinity)
-        self.scheduler_connector = cls(self.vllm_config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+        # Like vLLM, only one scheduler (here: rank 0's process) hosts the side channel.
+        self.scheduler_connector = (cls(self.vllm_config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+                                    if spec.rank == 0 else None)
         self.worker = self.worker_connector.connector_worker
         self.caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
         for cache in self.caches.values():
@@ -111,8 +117,9 @@ class Engine:
         self.worker_connector.register_kv_caches(self.caches)
         self.nixl_log = NixlCallLog(self.worker.nixl_wrapper)
         self.worker.nixl_wrapper = self.nixl_log
-        payload = self.worker_connector.get_handshake_metadata()
-        self.scheduler_connector.set_xfer_handshake_metadata_pp_aware({(0, 0): payload})
+        self.handshake_payload = self.worker_connector.get_handshake_metadata()
+        if spec.world_size == 1:
+            self.cmd_serve_metadata({(0, 0): self.handshake_payload})
 
         self.pending_meta = self._new_meta()
         self.stats: list[dict[str, Any]] = []
@@ -159,7 +166,21 @@ class Engine:
         return {"engine_id": self.spec.engine_id, "host": "127.0.0.1",
                 "port": self.spec.side_channel_port, "pid": os.getpid(),
                 "num_blocks": self.spec.num_blocks, "num_layers": self.spec.num_layers,
-                "affinity": sorted(os.sched_getaffinity(0))}
+                "affinity": sorted(os.sched_getaffinity(0)),
+                "tp_size": self.spec.tp_size, "pp_size": self.spec.pp_size, "rank": self.spec.rank}
+
+    def cmd_handshake_payload(self) -> Any:
+        """This rank's encoded handshake payload (gathered by the parent for rank 0)."""
+        return self.handshake_payload
+
+    def cmd_serve_metadata(self, payloads: dict[tuple[int, int], Any]) -> None:
+        """Rank 0: serve every rank's payload, keyed (pp_rank, tp_rank), on the side channel."""
+        assert self.scheduler_connector is not None, "only rank 0 hosts the side channel"
+        self.scheduler_connector.set_xfer_handshake_metadata_pp_aware(payloads)
+
+    def cmd_blocks(self, block_ids: list[int]) -> dict[str, Any]:
+        """Raw contents of blocks, per layer (for head/layer-aware verification)."""
+        return {name: cache[block_ids].contiguous().numpy().copy() for name, cache in self.caches.items()}
 
     def cmd_fill(self, block_ids: list[int], seed: int) -> None:
         """Write deterministic data into blocks (what a prefill would have computed)."""
@@ -202,13 +223,15 @@ class Engine:
         reg = {
             "request_id": req_id, "decode_engine_id": self.spec.engine_id,
             "decode_host": "127.0.0.1", "decode_port": self.spec.side_channel_port,
-            "decode_tp_size": 1, "local_block_ids": (list(block_ids),),
+            "decode_tp_size": self.spec.tp_size, "local_block_ids": (list(block_ids),),
             "remote_engine_id": prefill["engine_id"], "remote_host": prefill["host"],
-            "remote_port": prefill["port"], "remote_tp_size": 1, "remote_pp_size": 1,
+            "remote_port": prefill["port"], "remote_tp_size": prefill.get("tp_size", 1),
+            "remote_pp_size": prefill.get("pp_size", 1),
         }
         params = {"remote_block_ids": (), "remote_engine_id": prefill["engine_id"],
                   "remote_request_id": remote_request_id, "remote_host": prefill["host"],
-                  "remote_port": prefill["port"], "tp_size": 1, "pp_size": 1}
+                  "remote_port": prefill["port"], "tp_size": prefill.get("tp_size", 1),
+                  "pp_size": prefill.get("pp_size", 1)}
         if trace_headers:
             stage_trace_context(reg, trace_headers)
         self.pending_meta.push_registrations[req_id] = reg
@@ -221,7 +244,8 @@ class Engine:
 
         info = self.heartbeats.get(prefill["engine_id"])
         if info is None:
-            info = HeartbeatInfo(req_ids=set(), host=prefill["host"], port=prefill["port"], tp_size=1)
+            info = HeartbeatInfo(req_ids=set(), host=prefill["host"], port=prefill["port"],
+                                 tp_size=prefill.get("tp_size", 1), pp_size=prefill.get("pp_size", 1))
             self.heartbeats[prefill["engine_id"]] = info
         info.req_ids.add(remote_request_id)
         # The scheduler sends heartbeats on the first step after a request arrives.
@@ -230,8 +254,12 @@ class Engine:
     def cmd_heartbeat(self, prefill: dict[str, Any], remote_request_id: str) -> None:
         self._track_heartbeat(prefill, remote_request_id)
 
-    def cmd_stop_heartbeats(self) -> None:
-        self.heartbeats.clear()
+    def cmd_stop_heartbeats(self, engine_id: str | None = None) -> None:
+        """Stop heartbeating every prefill engine, or only `engine_id`."""
+        if engine_id is None:
+            self.heartbeats.clear()
+        else:
+            self.heartbeats.pop(engine_id, None)
 
     def cmd_finish(self, req_id: str, block_ids: list[int], lease_s: float,
                    trace_headers: dict[str, str] | None = None) -> None:
@@ -397,6 +425,8 @@ class Engine:
 
     def shutdown(self) -> None:
         for conn in (self.worker_connector, self.scheduler_connector):
+            if conn is None:
+                continue
             with contextlib.suppress(Exception):
                 conn.shutdown()
         # Drop the worker now, while modules are alive: vLLM's __del__ shuts down
@@ -410,6 +440,13 @@ class Engine:
 def engine_main(spec: EngineSpec, conn: Connection) -> None:
     """Process entry point: set up, then serve commands while stepping."""
     os.environ.update(engine_env(spec))
+    if spec.log_file:  # quiet parent: this process's stdout/stderr (vLLM, NIXL, UCX) go to a file
+        fd = os.open(spec.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=True)
     try:
         if spec.tracing == "memory":
             from connector.testing.spans import install_memory_tracer

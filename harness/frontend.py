@@ -70,6 +70,19 @@ class Frontend:
                 line = ", ".join(f"{k}={v}" for k, v in acc.reduce().items())
                 self.log_lines.append(f"KV Transfer metrics: {line}")
 
+    def observe_workers(self, per_worker: list[list[dict[str, Any]]]) -> dict[str, Any] | None:
+        """Observe stats of several TP/PP workers the way vLLM does: aggregated first.
+
+        vLLM's engine core merges the workers' connector stats of a step with the
+        stats class's `aggregate()` (`KVOutputAggregator`) and ships one dict;
+        our ranks step independently, so everything drained from them in one
+        round counts as one step. Returns the dict that was observed.
+        """
+        merged = aggregate_worker_stats(self.connector_cls, [d for w in per_worker for d in w])
+        if merged is not None:
+            self.observe([merged])
+        return merged
+
     def exposition(self, openmetrics: bool = False) -> str:
         """The /metrics text: Prometheus text format, or OpenMetrics (with exemplars)."""
         with self._lock:
@@ -96,3 +109,25 @@ class Frontend:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def aggregate_worker_stats(connector_cls: Any, dicts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One stats dict from many workers' dicts, with the connector's own `aggregate()`."""
+    acc = None
+    for data in dicts:
+        stats = connector_cls.build_kv_connector_stats(copy.deepcopy(data))
+        acc = stats if acc is None else acc.aggregate(stats)
+    return None if acc is None or acc.is_empty() else acc.to_dict()
+
+
+def frontend_for(spec: Any) -> Frontend:
+    """A front end for the engine described by an `EngineSpec` (fork or stock class)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from harness.config import connector_settings
+
+    name, module_path = connector_settings(spec)
+    kv = KVTransferConfig(kv_connector=name, kv_connector_module_path=module_path,
+                          kv_role=spec.kv_role, engine_id=spec.engine_id)
+    return Frontend(KVConnectorFactory.get_connector_class(kv), kv)

@@ -33,8 +33,8 @@ class EngineError(RuntimeError):
 class EngineHandle:
     """A running engine process and the command pipe to it."""
 
-    def __init__(self, spec: EngineSpec):
-        ctx = mp.get_context("spawn")
+    def __init__(self, spec: EngineSpec, ctx: Any = None):
+        ctx = ctx or mp.get_context("spawn")
         self.spec = spec
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=engine_main, args=(spec, child),

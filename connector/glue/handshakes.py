@@ -46,7 +46,7 @@ from connector.telemetry.record import (
     HandshakeRecord,
     PhaseSegment,
 )
-from connector.telemetry.savings import LocalLayout, full_handshake_saving
+from connector.telemetry.savings import LocalLayout, LocalListLedger, shape_aware_saving
 from connector.telemetry.tracing import peer_str
 from connector.vocabulary import (
     Attr,
@@ -351,9 +351,14 @@ class HandshakeFlow:
 
     def _count_saving(self, record: HandshakeRecord, meta: NixlAgentMetadata) -> None:
         try:
-            saving = full_handshake_saving(
-                meta, LocalLayout.of_worker(self),
-                registered_block_sizes=set(self.src_xfer_handles_by_block_size))
+            # The ledger lives on the worker: local lists count once per worker, as in vLLM.
+            ledger = self.__dict__.setdefault("_saving_ledger", LocalListLedger())
+            saving = shape_aware_saving(
+                meta, LocalLayout.of_worker(self), local_tp_size=self.world_size,
+                remote_tp_size=record.remote_tp_size, remote_pp_size=record.remote_pp_size,
+                registered_block_sizes=set(self.src_xfer_handles_by_block_size),
+                registered_tp_splits=set(self.src_xfer_handles_by_tp_ratio),
+                ledger=ledger, splits_local=not self.use_mla)
         except Exception as exc:
             errors.note(TelemetryError.SAVINGS, exc)
             return

@@ -12,13 +12,14 @@ The full path first maps the peer's regions onto this worker's (vLLM 0.32 and 0.
 - a packed remote row (one region holding every layer's page) read by a worker with
   one region per layer (vLLM 0.33): the row becomes one region per local region;
 - a PP layer slice of a PP=1 peer: only this stage's window of regions.
-Not counted: the TP-split local lists a D with fewer TP ranks than P would prepare
-once, and Mamba/SSM descriptors (see README).
+`shape_aware_saving` adds what the per-rank count misses in the shapes people deploy
+(heterogeneous TP, PP producers, different block sizes); Mamba/SSM descriptors are
+not counted (see README).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -118,4 +119,66 @@ def full_handshake_saving(meta: Any, layout: LocalLayout | None = None, *,
         ratio = layout.block_size // remote_block_size
         regs += 1
         descs += layout.num_descs * ratio
+    return Saving(regs, descs)
+
+
+# --- Shape-aware counting (heterogeneous TP, PP producers, block sizes) -------------
+# Each rule below was checked against the NIXL calls a stock full D->P handshake made
+# in the same shape (tests/test_shapes.py).
+
+
+@dataclass
+class LocalListLedger:
+    """Local lists a worker's full handshakes would have prepared so far.
+
+    vLLM prepares them once per worker (not per handshake or remote rank): the
+    block-size list once per smaller remote block size, the TP-split lists once
+    per (tp_ratio, remote block size). A notification-only worker never prepares
+    them, so we remember what a full one would already have.
+    """
+
+    block_sizes: set[int] = field(default_factory=set)
+    tp_splits: set[tuple[int, int]] = field(default_factory=set)
+
+
+def full_handshake_possible(remote_block_size: int, local_block_size: int, remote_pp_size: int) -> bool:
+    """Whether vLLM's full `add_remote_agent` can succeed against this peer.
+
+    It cannot when the local block size is not a multiple of the remote one
+    (`TransferTopology.block_size_ratio` asserts before any list is prepared),
+    nor for a PP producer (each PP rank advertises only its layer slice, and vLLM
+    never handshakes a PP producer fully). Nothing is saved where nothing would
+    have been prepared.
+    """
+    return remote_pp_size <= 1 and remote_block_size > 0 and local_block_size % remote_block_size == 0
+
+
+def shape_aware_saving(meta: Any, layout: LocalLayout, *, local_tp_size: int, remote_tp_size: int,
+                       remote_pp_size: int, registered_block_sizes: set[int],
+                       registered_tp_splits: set[tuple[int, int]], ledger: LocalListLedger,
+                       splits_local: bool = True) -> Saving:
+    """What a full handshake to this remote rank would add, given the deployment shape.
+
+    The remote list as the full path lays out the peer's regions (`layout`), plus the
+    block-size local list and, when the peer has more TP ranks
+    (`remote_tp_size / local_tp_size` source ranks per local rank), one local list per
+    source rank, each over every local descriptor (at the remote block granularity).
+    Updates `ledger` so each local list counts once per worker.
+    """
+    remote_block_size = int(meta.block_size)
+    if not full_handshake_possible(remote_block_size, layout.block_size, remote_pp_size):
+        return Saving(0, 0)
+    regs, descs = 1, remote_descriptor_count(meta, layout=layout)
+    ratio = layout.block_size // remote_block_size
+    if ratio > 1 and remote_block_size not in registered_block_sizes | ledger.block_sizes:
+        ledger.block_sizes.add(remote_block_size)
+        regs += 1
+        descs += layout.num_descs * ratio
+    if splits_local and remote_tp_size > local_tp_size:
+        sources = remote_tp_size // local_tp_size
+        key = (-sources, remote_block_size)
+        if key not in registered_tp_splits | ledger.tp_splits:
+            ledger.tp_splits.add(key)
+            regs += sources
+            descs += sources * layout.num_descs * ratio
     return Saving(regs, descs)
