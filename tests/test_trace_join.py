@@ -3,8 +3,8 @@
 Real engines (harness: NIXL over UCX on CPU memory, ZMQ side channels), spans captured
 in memory in each engine process. The harness hands the workers what our schedulers
 would: D's registration with the request's W3C context, P's step metadata with P's
-request context. Stock engines on either side check that the extra key and attribute
-change nothing for them.
+request context. (Stock peers with these keys: tests/test_write_span_placement.py for
+the parent rule, tests/test_push_flow.py for the PUSH_REG interop.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from connector.vocabulary import (
     LinkRole,
 )
 from harness import PushHarness
-from harness.config import FORK, STOCK, EngineSpec
+from harness.config import FORK, EngineSpec
 from harness.runner import free_port
 
 pytestmark = pytest.mark.real
@@ -96,8 +96,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                    side_channel_port=free_port(), connector=FORK, **common),
         EngineSpec(name="D", engine_id="decode-tj", kv_role="kv_consumer",
                    side_channel_port=free_port(), connector=FORK, **common),
-        EngineSpec(name="S", engine_id="stock-decode-tj", kv_role="kv_consumer",
-                   side_channel_port=free_port(), connector=STOCK, **common),
     ]
     router = leg()
     legs: dict[str, tuple[Leg | None, Leg | None]] = {
@@ -115,18 +113,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             d_leg, p_leg = legs[name]
             reports[name] = h.push(1, heartbeat=False, trace_headers=[(
                 d_leg.headers if d_leg else None, p_leg.headers if p_leg else None)])
-        # A stock D forwards its registration, our scheduler's key included, inside
-        # PUSH_REG to our P. (Our D towards a stock P: tests/test_push_flow.py; with a
-        # traced D its PUSH_REG is exactly what it was before this key existed.)
-        legs["stock_d"] = (leg(), leg())
-        d_leg, p_leg = legs["stock_d"]
-        reports["stock_d"] = h.push(1, prefill="P", decode="S", heartbeat=False,
-                                    trace_headers=[(d_leg.headers, p_leg.headers)])
         stats = _wait_stats(h, ("P", "D"), lambda s: (
             len(_records(s["D"], V.StatKey.RECEIVES)) == 4
             and any(_records(s["P"], V.StatKey.HANDSHAKES))
             and any(_records(s["D"], V.StatKey.HANDSHAKES))))
-        spans = {n: h[n].call("spans") for n in ("P", "D", "S")}
+        spans = {n: h[n].call("spans") for n in ("P", "D")}
         fe = h.frontend("D")
         fe.observe(stats["D"])
         openmetrics = fe.exposition(openmetrics=True)
@@ -206,17 +197,6 @@ def test_d_only_context_has_no_link(run: Run) -> None:
     wr = run.one("P", SPAN_PUSH_WRITE, **{Attr.REQUEST_ID: p_id})
     assert rcv["parent_span_id"] == d_leg.span_id and wr["trace_id"] == d_leg.trace_id
     assert wr["links"] == []
-
-
-def test_stock_decode_peer(run: Run) -> None:
-    # Stock D (no spans of ours) forwarded its registration, request context included,
-    # inside PUSH_REG: our P parents its write on that context and links its own.
-    d_leg, p_leg = run.legs["stock_d"]
-    p_id, _ = ids(run, "stock_d")
-    wr = run.one("P", SPAN_PUSH_WRITE, **{Attr.REQUEST_ID: p_id})
-    assert (wr["trace_id"], wr["parent_span_id"]) == (d_leg.trace_id, d_leg.span_id)
-    assert [(x["trace_id"], x["span_id"]) for x in wr["links"]] == [(p_leg.trace_id, p_leg.span_id)]
-    assert not [s for s in run.spans["S"] if s["name"].startswith("nixl.")]
 
 
 def test_receive_records_carry_the_receive_span_as_exemplar(run: Run) -> None:
