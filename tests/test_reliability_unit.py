@@ -249,3 +249,32 @@ def test_failure_log_line_points_at_the_code_that_failed(caplog):
     assert rec.funcName == "the_failing_call_site" and rec.pathname == __file__
     assert rec.name.startswith("vllm.distributed.kv_transfer")
     assert "transfer_failed. boom" in rec.getMessage()
+
+
+# ------------------------------------------------------------------ span ids
+def test_span_ids_do_not_follow_pythons_seeded_random():
+    """vLLM seeds `random` with the same value in every worker: ids drawn from it repeat
+    across engines (P's and D's spans of one request collided). Ours come from the OS."""
+    import random
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    from connector.telemetry.tracing import OsRandomIdGenerator, use_os_entropy
+
+    def first_ids(generator) -> tuple[int, int]:
+        random.seed(0)  # what every vLLM worker process does
+        return generator.generate_trace_id(), generator.generate_span_id()
+
+    stock = RandomIdGenerator()
+    assert first_ids(stock) == first_ids(stock)  # two "engines", the same ids: the bug
+    ours = OsRandomIdGenerator()
+    assert first_ids(ours) != first_ids(ours)
+    provider = TracerProvider()  # as vLLM installs it: the SDK default generator
+    use_os_entropy(provider)
+    assert isinstance(provider.id_generator, OsRandomIdGenerator)
+    custom = OsRandomIdGenerator.__new__(type("Custom", (RandomIdGenerator.__base__,), {
+        "generate_span_id": lambda self: 1, "generate_trace_id": lambda self: 1}))
+    mine = TracerProvider(id_generator=custom)
+    use_os_entropy(mine)
+    assert mine.id_generator is custom  # a user's own generator is left alone

@@ -20,7 +20,8 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector.telemetry import errors
@@ -76,6 +77,40 @@ def make_span_exporter(endpoint: str) -> Any:
     )
 
 
+class OsRandomIdGenerator(IdGenerator):
+    """Trace and span ids from the OS's entropy, not from Python's `random`.
+
+    The SDK's default generator draws from the `random` module, which vLLM seeds with
+    the same value (0 unless `--seed` says otherwise) in every worker process: every
+    engine then produced the same sequence of span ids, and P's and D's spans of one
+    request collided (parent cycles in Jaeger, repeated trace ids across restarts).
+    """
+
+    def generate_span_id(self) -> int:
+        while True:
+            value = int.from_bytes(os.urandom(8), "big")
+            if value != INVALID_SPAN_ID:
+                return value
+
+    def generate_trace_id(self) -> int:
+        while True:
+            value = int.from_bytes(os.urandom(16), "big")
+            if value != INVALID_TRACE_ID:
+                return value
+
+
+def use_os_entropy(provider: Any) -> None:
+    """Give an already-installed SDK provider (vLLM's, or a user's) our id generator.
+
+    Only when it still has the SDK's default (seeded-`random`) generator: a user's own
+    generator is left alone. Tracers created afterwards use it.
+    """
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    if isinstance(getattr(provider, "id_generator", None), RandomIdGenerator):
+        provider.id_generator = OsRandomIdGenerator()
+
+
 def resolve_tracer(otlp_traces_endpoint: str | None = None) -> trace.Tracer | None:
     """The tracer our spans go to, or None when tracing is off."""
     global _own_provider
@@ -87,6 +122,7 @@ def resolve_tracer(otlp_traces_endpoint: str | None = None) -> trace.Tracer | No
 
     installed = trace.get_tracer_provider()
     if isinstance(installed, TracerProvider):
+        use_os_entropy(installed)
         return installed.get_tracer(TRACER_NAME)
     endpoint = otlp_traces_endpoint or _env_endpoint()
     if not endpoint:
@@ -114,7 +150,7 @@ def install_provider(exporter: Any) -> Any:
         {"service.name": os.environ.get("OTEL_SERVICE_NAME", "vllm"),
          "vllm.process_id": str(os.getpid())}
     )
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, id_generator=OsRandomIdGenerator())
     provider.add_span_processor(CountingBatchSpanProcessor(CountingExporter(exporter)))
     trace.set_tracer_provider(provider)
     _own_provider = trace.get_tracer_provider()

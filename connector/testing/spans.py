@@ -16,7 +16,10 @@ _exporter: InMemorySpanExporter | None = None
 def install_memory_tracer(service_name: str = "vllm") -> InMemorySpanExporter:
     """Install a global SDK provider that keeps finished spans in memory."""
     global _exporter
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    from connector.telemetry.tracing import OsRandomIdGenerator
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}),
+                              id_generator=OsRandomIdGenerator())
     _exporter = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(_exporter))
     trace.set_tracer_provider(provider)
