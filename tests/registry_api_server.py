@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
+from pathlib import Path
 from typing import Any
 
 
@@ -28,8 +28,10 @@ def main(plan_path: str) -> None:
 
     with open(plan_path) as f:
         plan = json.load(f)
+    # One model directory for every API server of a run: vLLM's model_name label
+    # (the served model path) must be the same, as for API servers of one engine.
     spec = EngineSpec(name="api", engine_id="registry-test", kv_role="kv_consumer",
-                      side_channel_port=1, workdir=tempfile.mkdtemp(prefix="registry-"))
+                      side_channel_port=1, workdir=str(Path(plan_path).parent))
     config = build_vllm_config(spec)
     model = config.model_config.served_model_name
     proms: dict[str, Any] = {}
