@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import secrets
 import socket
 import statistics
@@ -15,7 +16,8 @@ from typing import Any
 from harness.config import FORK, EngineSpec
 from harness.engine import engine_main
 
-START_TIMEOUT_S = 180.0
+# Overridable for loaded machines (several engines import vLLM at once).
+START_TIMEOUT_S = float(os.environ.get("HARNESS_START_TIMEOUT_S", "180"))
 
 
 def free_port() -> int:
