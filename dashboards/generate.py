@@ -258,7 +258,8 @@ def _handshakes() -> list[tuple[dict[str, Any], int, int]]:
                     "suffix: handshakes/s"), 12, 8),
         (timeseries("Handshakes/s by trigger and outcome",
                     "NIXL handshakes per second by direction, trigger (push_reg, heartbeat, "
-                    f"push_write, push_reg_early: P->D started on D's PUSH_REG, other) and outcome, from {V.HANDSHAKES.name}_total. A label "
+                    "push_write, push_reg_early: P->D started on D's PUSH_REG, other) and outcome, "
+                    f"from {V.HANDSHAKES.name}_total. A label "
                     "combination's very first handshake creates its series and is not visible "
                     "to rate().",
                     [target(f"sum {by(Label.DIRECTION, Label.TRIGGER, Label.OUTCOME)} "
