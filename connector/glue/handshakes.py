@@ -199,7 +199,11 @@ class HandshakeFlow:
         self._in_flight.discard(record)
         exc = inner.exception()
         if exc is not None:
-            delay = self._retry_policy.delay(job.attempt, record.error_type, job.deadline)
+            # An early P->D handshake is an optimisation started by whatever a peer wrote in
+            # its PUSH_REG: it is not retried (the WRITE path retries if a request needs it),
+            # so unreachable decoders named in PUSH_REGs cannot pile retries on the executor.
+            delay = (None if job.trigger is Trigger.PUSH_REG_EARLY
+                     else self._retry_policy.delay(job.attempt, record.error_type, job.deadline))
             if delay is not None:
                 logger.warning(
                     "NIXL handshake to %s (%s:%s, %s) failed transiently (%s); retry %d in %.2f s",
