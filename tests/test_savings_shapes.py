@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from connector.telemetry.savings import LocalListLedger, full_handshake_possible, shape_aware_saving
+from connector.telemetry.savings import (
+    LocalLayout,
+    LocalListLedger,
+    full_handshake_possible,
+    shape_aware_saving,
+)
 
 
 def meta(block_size: int = 32, regions: int = 2, blocks: int = 24) -> SimpleNamespace:
@@ -15,7 +20,8 @@ def meta(block_size: int = 32, regions: int = 2, blocks: int = 24) -> SimpleName
 
 def saving(m: SimpleNamespace, ledger: LocalListLedger, *, local_tp: int = 1, remote_tp: int = 1,
            remote_pp: int = 1, local_block_size: int = 32, registered_splits=frozenset()):
-    s = shape_aware_saving(m, local_block_size=local_block_size, local_num_descs=48, local_tp_size=local_tp,
+    layout = LocalLayout(block_size=local_block_size, num_descs=48)
+    s = shape_aware_saving(m, layout, local_tp_size=local_tp,
                            remote_tp_size=remote_tp, remote_pp_size=remote_pp, registered_block_sizes=set(),
                            registered_tp_splits=set(registered_splits), ledger=ledger)
     return s.registrations, s.descriptors
