@@ -249,9 +249,13 @@ class Router:
         """D's SSE bytes as they come; an SSE error event and the end if P fails first."""
         chunks = d_resp.aiter_raw().__aiter__()
         error = ""
+        nxt: asyncio.Future[Any] | None = None
         try:
             while True:
-                nxt = asyncio.ensure_future(chunks.__anext__())
+                # One read of D's stream at a time: a pending read is kept across turns
+                # (starting another while it runs raises "anext(): ... already running").
+                if nxt is None:
+                    nxt = asyncio.ensure_future(chunks.__anext__())
                 waits: set[asyncio.Future[Any]] = {nxt}
                 if not p_task.done():
                     waits.add(p_task)
@@ -263,9 +267,10 @@ class Router:
                     yield _sse_error(f"prefill leg failed: {p.error or f'HTTP {p.status}'}")
                     return
                 if not nxt.done():
-                    continue  # P finished fine; keep reading D
+                    continue  # P finished fine; keep waiting for D's next chunk
+                done, nxt = nxt, None
                 try:
-                    yield nxt.result()
+                    yield done.result()
                 except StopAsyncIteration:
                     return
                 except httpx.HTTPError as exc:
@@ -273,6 +278,8 @@ class Router:
                     yield _sse_error(f"decode leg failed: {type(exc).__name__}: {exc}")
                     return
         finally:
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
             await d_resp.aclose()
             if not p_task.done():
                 p_task.cancel()
