@@ -252,8 +252,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 # ------------------------------------------------------------ 1. retry on a stall
-@pytest.mark.xfail(strict=False, reason="flaky: in one CI run (a quiet machine) D's request failed instead of "
-                   "riding out the stall; it passed on the rerun and in every run on the loaded machine. "
+@pytest.mark.xfail(strict=False, reason="flaky: in one CI run (a quiet machine) D's request failed instead "
+                   "of riding out the stall; it passed on the rerun and in every run on the loaded machine. "
                    "Open in issue 9 until the cause is found.")
 def test_d_to_p_handshake_retry_rides_out_a_stalled_side_channel(rig: Rig) -> None:
     h, p_addr = rig.h, rig.h["P"].address
