@@ -256,20 +256,23 @@ class PushFlow:
         if handle is not None:
             try:
                 req_id = _XFER_BLOCKS_SIG.bind(self, *args, **kwargs).arguments["request_id"]
-                with self._push_lock:
-                    first = self._pushing.add(req_id)
-                if first:
-                    self.xfer_stats.record_push(StatKey.PUSHES_STARTED)
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
+            else:
+                self._count_push_once(self._pushing, req_id, StatKey.PUSHES_STARTED)
         return handle
 
-    def _mark_push_failed(self, req_id: str, failure_type: str, message: str) -> None:
+    def _count_push_once(self, seen: Any, req_id: str, key: str) -> None:
+        """Count a push event the first time `req_id` enters `seen` (a request's several
+        WRITEs are one push); never raises into the push flow."""
         try:
             with self._push_lock:
-                first = self._push_failed.add(req_id)
+                first = seen.add(req_id)
             if first:
-                self.xfer_stats.record_push(StatKey.PUSHES_FAILED)
+                self.xfer_stats.record_push(key)
         except Exception as exc:
             errors.note(TelemetryError.STATS, exc)
+
+    def _mark_push_failed(self, req_id: str, failure_type: str, message: str) -> None:
+        self._count_push_once(self._push_failed, req_id, StatKey.PUSHES_FAILED)
         SpanEmitter.end(self._write_spans.pop(req_id), error_type=failure_type, message=message)
