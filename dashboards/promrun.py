@@ -11,7 +11,6 @@ import json
 import math
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dashboards import generate
+from harness.ports import free_port
 
 PROMETHEUS = "prometheus"
 PROMTOOL = "promtool"
@@ -37,12 +37,6 @@ RULES_PATH = generate.ROOT / generate.RULES_FILE
 # vLLM's names back on any version; every vLLM metric is `vllm:`-prefixed, none `vllm_`.
 RESTORE_VLLM_COLON = [{"source_labels": ["__name__"], "regex": "vllm_(.+)",
                        "target_label": "__name__", "replacement": "vllm:$1"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def binary(name: str) -> str:

@@ -22,23 +22,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from harness.runner import free_port
+from harness.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED_MODEL = "tiny-llama"
 LOOPBACK = "127.0.0.1"
-
-
-_issued: set[int] = set()
-
-
-def fresh_port() -> int:
-    """A free loopback port this process has not handed out before (the OS may reuse one)."""
-    while True:
-        port = free_port()
-        if port not in _issued:
-            _issued.add(port)
-            return port
 
 
 def write_dist_shim(root: Path, version: str = "0.32.0+cpu") -> Path:
@@ -138,8 +126,8 @@ class VllmServer(Process):
 
     def __init__(self, workdir: Path, *, name: str, kv_role: str, engine_id: str, cpu: int, model: Path,
                  connector: str = "fork", otlp_endpoint: str | None = None):
-        self.port = fresh_port()
-        self.side_channel_port = fresh_port()
+        self.port = free_port()
+        self.side_channel_port = free_port()
         self.engine_id = engine_id
         self.model = SERVED_MODEL
         shim = write_dist_shim(workdir / "shim")
@@ -197,7 +185,7 @@ class RouterProcess(Process):
 
     def __init__(self, workdir: Path, prefill: list[VllmServer], decode: list[VllmServer],
                  otlp_endpoint: str | None = None):
-        self.port = fresh_port()
+        self.port = free_port()
         cmd = [sys.executable, "-m", "connector.router", "--host", LOOPBACK, "--port", str(self.port)]
         for p in prefill:
             cmd += ["--prefill", f"{p.url},engine_id={p.engine_id},side_channel={p.side_channel}"]

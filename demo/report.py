@@ -166,13 +166,18 @@ def rule_lines(prom: PrometheusServer) -> tuple[list[str], int]:
     return lines, len(firing)
 
 
-def trace_complete(spans: list[dict[str, Any]], trace_id: str, fork: bool) -> bool:
-    """Router span, both engines' llm_request spans and (fork) our push spans."""
+def trace_missing(spans: list[dict[str, Any]], trace_id: str, fork: bool) -> set[tuple[str, str]]:
+    """(service, span name) of the router, vLLM and (fork) push spans not yet in the trace."""
     got = {(s["service"], s["name"]) for s in spans if s["trace_id"] == trace_id}
     want = {("router", SPAN_ROUTER_REQUEST), ("vllm-prefill", "llm_request"), ("vllm-decode", "llm_request")}
     if fork:
         want |= {("vllm-decode", SPAN_PUSH_RECEIVE), ("vllm-prefill", SPAN_PUSH_WRITE)}
-    return want <= got
+    return want - got
+
+
+def trace_complete(spans: list[dict[str, Any]], trace_id: str, fork: bool) -> bool:
+    """Router span, both engines' llm_request spans and (fork) our push spans."""
+    return not trace_missing(spans, trace_id, fork)
 
 
 def wait_trace(get_spans: Any, trace_id: str, fork: bool, timeout_s: float = 30.0) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import secrets
-import socket
 import statistics
 import tempfile
 import time
@@ -15,15 +14,10 @@ from typing import Any
 
 from harness.config import FORK, EngineSpec
 from harness.engine import engine_main
+from harness.ports import free_port
 
 # Engine start-up on a loaded 2-core machine can take minutes; raise it there.
 START_TIMEOUT_S = float(os.environ.get("HARNESS_START_TIMEOUT_S", "180"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EngineError(RuntimeError):

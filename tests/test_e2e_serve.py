@@ -98,11 +98,21 @@ def test_streamed_completion_through_the_router_equals_the_reference(stack):
 
 @needs_trace_join
 def test_every_request_is_one_trace_across_router_p_and_d(stack, outcomes):
+    missing: dict[str, set] = {}
+
     def complete() -> bool:
         spans = stack.spans()
-        return all(report.trace_complete(spans, o.trace_id, fork=True) for o in outcomes)
+        missing.clear()
+        for o in outcomes:
+            if gap := report.trace_missing(spans, o.trace_id, fork=True):
+                missing[o.request_id] = gap
+        return not missing
 
-    wait_until(complete, SPAN_WAIT_S, "router, vLLM and connector spans of every request")
+    try:
+        wait_until(complete, SPAN_WAIT_S, "router, vLLM and connector spans of every request")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; still missing {missing}; engine logs: "
+                             f"{stack.prefill.log_path}, {stack.decode.log_path}") from exc
     spans = stack.spans()
     for o in outcomes:
         mine = [s for s in spans if s["trace_id"] == o.trace_id]

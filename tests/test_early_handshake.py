@@ -50,7 +50,10 @@ def push_with_slow_prefill(h: PushHarness, prefill: str, wait_connected: bool = 
     d.call("register", d_id, d_blocks, p.address, p_id, False)
     h.wait_for(prefill, lambda pending: d_id in pending, command="pending_registrations")
     if wait_connected:
-        h.wait_for(prefill, lambda c: c["dst_handles"].get(d.info["engine_id"]) == 1)
+        # Usable = what vLLM's `_ensure_handshake` checks (the agent is in `_remote_agents`,
+        # set when the handshake's future completes); descriptors alone are set earlier.
+        h.wait_for(prefill, lambda c: c["dst_handles"].get(d.info["engine_id"]) == 1
+                   and d.info["engine_id"] in c["remote_agents"])
     connected_before_finish = h.wait_for(prefill, lambda c: True)["dst_handles"].get(
         d.info["engine_id"], 0)
     p.call("finish", p_id, p_blocks, 30.0)
