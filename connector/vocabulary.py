@@ -89,6 +89,8 @@ class ReceiveOutcome(_Vocab):
     SUCCESS = "success"
     FAILURE = "failure"
     EXPIRED = "expired"
+
+
 class TelemetryError(_Vocab):
     """Why a piece of telemetry was lost (the push itself never is)."""
 
@@ -113,6 +115,13 @@ class PushRegRejection(_Vocab):
     WRONG_TYPE = "wrong_type"
     OVERSIZED = "oversized"
     FAILED = "processing_failed"  # valid fields, but acting on it raised
+
+
+class SideChannelRejection(_Vocab):
+    """Why an engine's side-channel listener dropped a metadata request (and kept serving)."""
+
+    MALFORMED = "malformed"  # not the (GET_META_MSG, pp_rank, tp_rank) vLLM's handshake sends
+    UNKNOWN_RANK = "unknown_rank"  # asked for a (pp, tp) rank this engine does not have
 
 
 BOOL_VALUES = ("true", "false")
@@ -220,7 +229,8 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     Label.ERROR_TYPE: tuple(e.value for e in ErrorType),
     Label.LIST: tuple(x.value for x in DescriptorList),
     Label.REASON: tuple(dict.fromkeys(
-        [t.value for t in TelemetryError] + [r.value for r in PushRegRejection])),
+        [t.value for t in TelemetryError] + [r.value for r in PushRegRejection]
+        + [r.value for r in SideChannelRejection])),
 }
 
 
@@ -369,6 +379,14 @@ PUSH_REG_REJECTED = MetricSpec(
     "PUSH_REG notifications a prefill worker dropped as malformed, oversized or failing; "
     "each is logged and costs no other request.",
 )
+SIDE_CHANNEL_REJECTED = MetricSpec(
+    "vllm:nixl_side_channel_rejected",
+    MetricKind.COUNTER,
+    (Label.REASON,),
+    "Requests to this engine's NIXL side channel dropped as malformed or for an unknown "
+    "rank. vLLM's listener thread dies on such a request (no handshake is answered after "
+    "it); ours logs it, counts it here and keeps serving.",
+)
 TELEMETRY_ERRORS = MetricSpec(
     "vllm:nixl_telemetry_errors",
     MetricKind.COUNTER,
@@ -393,6 +411,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     HANDSHAKES_IN_FLIGHT,
     HANDSHAKE_OLDEST_IN_FLIGHT,
     PUSH_REG_REJECTED,
+    SIDE_CHANNEL_REJECTED,
     TELEMETRY_ERRORS,
 )
 
@@ -419,6 +438,7 @@ METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (PUSHES.name, Label.OUTCOME): tuple(e.value for e in PushEvent),
     (RECEIVE_DURATION.name, Label.OUTCOME): tuple(r.value for r in ReceiveOutcome),
     (PUSH_REG_REJECTED.name, Label.REASON): tuple(r.value for r in PushRegRejection),
+    (SIDE_CHANNEL_REJECTED.name, Label.REASON): tuple(r.value for r in SideChannelRejection),
     (TELEMETRY_ERRORS.name, Label.REASON): tuple(t.value for t in TelemetryError),
 }
 
@@ -460,6 +480,7 @@ class StatKey:
     HANDSHAKE_RETRIES = "handshake_retries"  # list of direction values
     PUSH_REG_REJECTED = "push_reg_rejected"  # list of PushRegRejection values
     TELEMETRY_ERRORS = "telemetry_errors"  # list of TelemetryError values
+    SIDE_CHANNEL_REJECTED = "side_channel_rejected"  # list of SideChannelRejection values (scheduler)
     # One snapshot per worker and stats interval: {"d_to_p|true": [count, oldest_s], ...}
     IN_FLIGHT = "handshakes_in_flight"
 
@@ -475,6 +496,7 @@ OUR_STAT_KEYS = (
     StatKey.HANDSHAKE_RETRIES,
     StatKey.PUSH_REG_REJECTED,
     StatKey.TELEMETRY_ERRORS,
+    StatKey.SIDE_CHANNEL_REJECTED,
     StatKey.IN_FLIGHT,
 )
 

@@ -442,7 +442,7 @@ def _push_flow() -> list[tuple[dict[str, Any], int, int]]:
 def _reliability() -> list[tuple[dict[str, Any], int, int]]:
     in_flight, oldest = V.HANDSHAKES_IN_FLIGHT, V.HANDSHAKE_OLDEST_IN_FLIGHT
     retries, rejected = total(V.HANDSHAKE_RETRIES), total(V.PUSH_REG_REJECTED)
-    lost = total(V.TELEMETRY_ERRORS)
+    lost, sc_rejected = total(V.TELEMETRY_ERRORS), total(V.SIDE_CHANNEL_REJECTED)
     return [
         (timeseries("Handshakes in flight",
                     "Handshakes submitted and not finished (queued in vLLM's handshake executor "
@@ -462,11 +462,16 @@ def _reliability() -> list[tuple[dict[str, Any], int, int]]:
                     [target(f"sum {by(Label.DIRECTION)} (rate({sel(retries)}[{RATE}]))",
                             "{{direction}}")],
                     "suffix: retries/s"), 4, 8),
-        (timeseries("PUSH_REG rejected/s",
+        (timeseries("Peer input rejected/s",
                     "PUSH_REG notifications a prefill worker dropped (malformed, oversized, failing) "
-                    f"by reason: rate of {rejected}. Each costs only its own request.",
-                    [target(f"sum {by(Label.REASON)} (rate({sel(rejected)}[{RATE}]))", "{{reason}}")],
-                    "suffix: notifs/s"), 4, 8),
+                    f"by reason: rate of {rejected}; and side-channel requests an engine dropped "
+                    f"(malformed, unknown rank): rate of {sc_rejected}. Each costs only itself; "
+                    "the engine keeps serving.",
+                    [target(f"sum {by(Label.REASON)} (rate({sel(rejected)}[{RATE}]))",
+                            "PUSH_REG {{reason}}"),
+                     target(f"sum {by(Label.REASON)} (rate({sel(sc_rejected)}[{RATE}]))",
+                            "side channel {{reason}}")],
+                    "suffix: msgs/s"), 4, 8),
         (timeseries("Telemetry errors/s",
                     f"Telemetry lost to an internal error, by reason: rate of {lost}. The push is "
                     "never affected; the first of each reason is logged at WARNING.",

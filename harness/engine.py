@@ -157,6 +157,10 @@ class Engine:
         for req_id in results.finished_sending:
             self.finished_sending[req_id] = now
         stats = self.worker_connector.get_kv_connector_stats()
+        if self.scheduler_connector is not None:  # like vLLM's scheduler: add its own stats
+            sched = self.scheduler_connector.get_kv_connector_stats()
+            if sched is not None and not sched.is_empty():
+                stats = sched if stats is None else stats.aggregate(sched)
         if stats is not None:
             self.stats.append(stats.to_dict())
         return bool(stats is not None or results.finished_recving or results.finished_sending)

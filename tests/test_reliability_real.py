@@ -43,6 +43,8 @@ from harness import PushHarness
 from harness.config import EngineSpec
 from harness.runner import EngineHandle, free_port
 from tests.conftest import handshakes
+from tests.test_side_channel_listener import BAD_REQUESTS as BAD_SIDE_CHANNEL_REQUESTS
+from tests.test_side_channel_listener import send_frames
 
 # Engine start-up on a loaded 2-core machine can take many minutes (the fixture pays it once).
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1800)]
@@ -372,6 +374,23 @@ def test_garbage_from_the_side_channel_fails_fast_without_retry(rig: Rig) -> Non
         "direction": "d_to_p", "phase": "metadata_decode", "error_type": "decode_error"}) == 1
     [span] = handshake_spans(rig.spans("D"), "garbage-prefill")
     assert span["status"] == "ERROR" and span["attributes"][Attr.ERROR_TYPE] == "decode_error"
+    rig.serves("P", "D")
+
+
+def test_bad_requests_to_p_side_channel_are_counted_and_p_keeps_serving(rig: Rig) -> None:
+    """Upstream, the first of these ends P's listener thread: no decoder could reach P again."""
+    h, p_addr = rig.h, rig.h["P"].address
+    rig.drop_stats("P")
+    for frames, _ in BAD_SIDE_CHANNEL_REQUESTS:
+        send_frames(p_addr["host"], p_addr["port"], frames)
+    want = collections.Counter(reason for _, reason in BAD_SIDE_CHANNEL_REQUESTS)
+    stats = rig.collect("P", lambda s: count(s, StatKey.SIDE_CHANNEL_REJECTED) >= want.total())
+    assert collections.Counter(values(stats, StatKey.SIDE_CHANNEL_REJECTED)) == want
+    fe = observed(h, "P", stats)
+    for reason, n in want.items():
+        assert fe.sample("vllm:nixl_side_channel_rejected_total", {"reason": reason}) == n
+    # D forgets P, so its next request handshakes with P's side channel again.
+    h["D"].call("forget", p_addr["engine_id"])
     rig.serves("P", "D")
 
 

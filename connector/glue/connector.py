@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector as StockNixlPushConnector,
 )
 
+from connector.glue import listener
 from connector.glue.guard import SCHEDULER_SEAM, WORKER_SEAM
 from connector.glue.scheduler import ObservedPushScheduler
 from connector.glue.worker import ObservedPushWorker
@@ -30,6 +31,7 @@ from connector.telemetry.stats import ObservedNixlStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 CONNECTOR_NAME = "NixlPushConnector"
@@ -107,6 +109,18 @@ class NixlPushConnector(StockNixlPushConnector):
             raise ConnectorConfigError(
                 f"vLLM's NixlPushConnector no longer builds its scheduler through {SCHEDULER_SEAM!r}; "
                 "this vLLM release is not supported by this connector version.")
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.connector_worker is not None:
+            return super().get_kv_connector_stats()
+        # Scheduler process: what its side-channel listener dropped (vLLM aggregates this
+        # with the workers' stats each step).
+        rejected = listener.drain_rejected()
+        if not rejected:
+            return None
+        stats = ObservedNixlStats()
+        stats.record_side_channel_rejected(rejected)
+        return stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ObservedNixlStats:

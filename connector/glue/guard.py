@@ -97,6 +97,8 @@ WORKER_CALLS: tuple[Call, ...] = (
     Call("stats", "aggregate", (_ANY,)),
     Call("stats", "record_failed_handshake"),
     Call("prom", "observe", (_ANY, _ANY)),
+    Call("scheduler", "_nixl_handshake_listener", (_ANY, _ANY, _ANY, _ANY, _ANY)),
+    Call("scheduler", "set_xfer_handshake_metadata", (_ANY,)),
 )
 
 # Attributes vLLM's worker constructor sets that the fork reads or replaces.
@@ -139,6 +141,9 @@ def version_tested(version: str) -> bool:
 
 def _owners() -> dict[str, Any]:
     from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
+        NixlPushConnectorScheduler,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
         NixlPushConnectorWorker,
     )
@@ -148,7 +153,8 @@ def _owners() -> dict[str, Any]:
     )
 
     return {"worker": NixlPushConnectorWorker, "topology": TransferTopology,
-            "stats": NixlKVConnectorStats, "prom": NixlPromMetrics}
+            "stats": NixlKVConnectorStats, "prom": NixlPromMetrics,
+            "scheduler": NixlPushConnectorScheduler}
 
 
 def _stock_method(cls: type, name: str) -> Any:

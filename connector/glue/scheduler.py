@@ -11,6 +11,10 @@ workers. This subclass passes the context along the two paths vLLM already has:
   {request id: context}) next to the finished blocks it ships, so the worker's
   `nixl.push.write` can link to P's own request. A stock worker never looks at it.
 Nothing here raises into vLLM's scheduling: a telemetry fault is logged and dropped.
+
+It also runs vLLM's side-channel listener under `listener.supervise` (see there): a
+bad request no longer ends the listener, and a port that cannot be bound is an error
+at start-up instead of a scheduler waiting forever.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
     NixlPushConnectorScheduler,
 )
 
+from connector.glue import listener
 from connector.telemetry.tracing import trace_carrier
 from connector.vocabulary import METADATA_TRACE_ATTR, REGISTRATION_TRACE_KEY
 
@@ -57,6 +62,23 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
         super().__init__(*args, **kwargs)
         # P: contexts of requests whose finished blocks ship with the next metadata.
         self._finished_trace_contexts: dict[str, dict[str, str]] = {}
+
+    @staticmethod
+    def _nixl_handshake_listener(encoded_data: Any, ready_event: Any, stop_event: Any,
+                                 host: str, port: int) -> None:
+        listener.supervise(NixlPushConnectorScheduler._nixl_handshake_listener, encoded_data,
+                           ready_event, stop_event, host, port)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
+        super().set_xfer_handshake_metadata(metadata)
+        exc = listener.take_bind_error(self.side_channel_port)
+        if exc is not None:
+            self._nixl_handshake_listener_t = None
+            raise listener.SideChannelBindError(
+                f"cannot listen for NIXL handshakes on {self.side_channel_host}:"
+                f"{self.side_channel_port} ({type(exc).__name__}: {exc}); another process holds "
+                "the port. Set VLLM_NIXL_SIDE_CHANNEL_PORT to a free port (with data parallel, "
+                "each rank listens on that port plus its rank).") from exc
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

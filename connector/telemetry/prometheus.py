@@ -106,6 +106,8 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._child(V.PUSH_REG_REJECTED, idx, reason.value)
             for lost in V.TelemetryError:
                 self._child(V.TELEMETRY_ERRORS, idx, lost.value)
+            for why in V.SideChannelRejection:
+                self._child(V.SIDE_CHANNEL_REJECTED, idx, why.value)
         self._init_degraded_gauge(list(labelnames))
 
     # -- start-up guard verdict (connector/glue/guard.py) ----------------------------
@@ -185,6 +187,7 @@ class ObservedPromMetrics(NixlPromMetrics):
             (StatKey.HANDSHAKE_RETRIES, V.HANDSHAKE_RETRIES, V.Direction),
             (StatKey.PUSH_REG_REJECTED, V.PUSH_REG_REJECTED, V.PushRegRejection),
             (StatKey.TELEMETRY_ERRORS, V.TELEMETRY_ERRORS, V.TelemetryError),
+            (StatKey.SIDE_CHANNEL_REJECTED, V.SIDE_CHANNEL_REJECTED, V.SideChannelRejection),
         )
         for key, spec, closed in labelled:
             values = data.get(key)

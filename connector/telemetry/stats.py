@@ -69,8 +69,14 @@ class ObservedNixlStats(NixlKVConnectorStats):
         self._append(StatKey.PUSH_REG_REJECTED, reason)
 
     def record_telemetry_errors(self, reasons: dict[str, int]) -> None:
+        self._extend_counts(StatKey.TELEMETRY_ERRORS, reasons)
+
+    def record_side_channel_rejected(self, reasons: dict[str, int]) -> None:
+        self._extend_counts(StatKey.SIDE_CHANNEL_REJECTED, reasons)
+
+    def _extend_counts(self, key: str, reasons: dict[str, int]) -> None:
         with _LOCK:
-            bucket = self.data.setdefault(StatKey.TELEMETRY_ERRORS, [])
+            bucket = self.data.setdefault(key, [])
             for reason, n in reasons.items():
                 bucket.extend([reason] * n)
 
