@@ -115,6 +115,13 @@ class PushRegRejection(_Vocab):
     WRONG_TYPE = "wrong_type"
     OVERSIZED = "oversized"
     FAILED = "processing_failed"  # valid fields, but acting on it raised
+    AFTER_LEASE = "after_lease_expired"  # arrived after P's KV lease for the request ended
+
+
+class PushFailReason(_Vocab):
+    """Why P told a decoder that its request's KV will never be pushed."""
+
+    LEASE_EXPIRED = "lease_expired"  # P's lease ended before the PUSH_REG or before the WRITE
 
 
 class SideChannelRejection(_Vocab):
@@ -187,6 +194,15 @@ class LinkRole(_Vocab):
 # Extra key carried inside the PUSH_REG msgpack dict. A stock peer reads the dict
 # with .get() and ignores it; a payload without it is handled like before.
 PUSH_REG_TRACE_KEY = "otel_trace_context"
+
+# Extra key in the PUSH_REG a fork decoder sends: what it understands beyond upstream.
+# A fork prefill sends a PUSH_FAIL notification only to a decoder that lists it.
+PUSH_REG_CAPS_KEY = "nixl_observed_caps"
+CAP_PUSH_FAIL = "push_fail"
+# NIXL notification P -> D: "the KV for your registered request will never come".
+# Payload: msgpack {"request_id": D's request id, "reason": PushFailReason value}.
+PUSH_FAIL_NOTIF_PREFIX = b"NIXL_OBSERVED_PUSH_FAIL:"
+MAX_PUSH_FAIL_BYTES = 1024
 
 # W3C trace-context headers vLLM keeps in `Request.trace_headers` (and we carry).
 TRACE_HEADER_KEYS = ("traceparent", "tracestate")

@@ -56,6 +56,7 @@ RETRYING = {"handshake_timeout_ms": TIMEOUT_MS, "handshake_retries": 3,
             "handshake_retry_backoff_s": 0.1, "handshake_retry_budget_s": 20}
 NO_RETRY = {"handshake_timeout_ms": E_TIMEOUT_MS, "handshake_retries": 0}
 PUSH_LOG = "connector.glue.push"
+PUSH_FAIL_LOG = "connector.glue.push_fail"
 START_TIMEOUT_S = 600.0
 
 
@@ -240,6 +241,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Any:
         try:
             for name in "PDE":
                 h[name].call("watch_log", PUSH_LOG)
+                h[name].call("watch_log", PUSH_FAIL_LOG)
             # Connect P<->D and P<->E once, the normal way.
             for d in "DE":
                 r.serves("P", d)
@@ -460,6 +462,26 @@ def test_lease_expires_without_a_registration(rig: Rig) -> None:
     for outcome in ("started", "completed", "failed"):  # no push ever started
         assert fe.sample("vllm:nixl_pushes_total", {"outcome": outcome}) == 0
     rig.serves("P", "E")
+
+
+def test_registration_after_p_lease_expired_fails_on_d_at_once(rig: Rig) -> None:
+    """Upstream the late PUSH_REG waits on P for ever and D's request until its watchdog
+    (480 s by default; the harness has none, so here: for ever)."""
+    h = rig.h
+    rig.drop_stats("P")
+    p_id, d_id = rig.ids()
+    _, p_blocks = rig.prefill("P", 1)
+    h["P"].call("finish", p_id, p_blocks, 0.3)
+    rig.results("P", lambda r: p_id in r["finished_sending"])  # lease over, nothing pushed
+    d_blocks = h["D"].allocate(1)
+    h["D"].call("register", d_id, d_blocks, h["P"].address, p_id, False)
+    rig.results("D", lambda r: d_id in r["failed_recving"], timeout_s=30)
+    stats = rig.collect("P", lambda s: count(s, StatKey.PUSH_REG_REJECTED) >= 1)
+    assert values(stats, StatKey.PUSH_REG_REJECTED) == ["after_lease_expired"]
+    assert d_id not in h["P"].call("pending_registrations")  # upstream: kept for ever
+    assert count(stats, StatKey.PUSHES_STARTED) == 0
+    assert any(d_id in line and "lease" in line for line in h["D"].call("logged", PUSH_FAIL_LOG))
+    rig.serves("P", "D")
 
 
 @pytest.mark.xfail(strict=False, reason="not yet seen passing on real engines: the last run (on a "

@@ -278,3 +278,25 @@ def test_span_ids_do_not_follow_pythons_seeded_random():
     mine = TracerProvider(id_generator=custom)
     use_os_entropy(mine)
     assert mine.id_generator is custom  # a user's own generator is left alone
+
+
+def test_push_fail_round_trip_and_what_is_refused():
+    from connector.glue.push_fail import decode_push_fail, encode_push_fail, wants_push_fail
+    from connector.vocabulary import (
+        CAP_PUSH_FAIL,
+        MAX_PUSH_FAIL_BYTES,
+        PUSH_FAIL_NOTIF_PREFIX,
+        PUSH_REG_CAPS_KEY,
+        PushFailReason,
+    )
+
+    notif = encode_push_fail("cmpl-1-0123abcd", PushFailReason.LEASE_EXPIRED)
+    assert decode_push_fail(notif) == ("cmpl-1-0123abcd", PushFailReason.LEASE_EXPIRED)
+    import msgspec
+
+    for body in (b"\xc1", msgspec.msgpack.encode([1]), msgspec.msgpack.encode({"request_id": "x"}),
+                 msgspec.msgpack.encode({"request_id": "x", "reason": "bored"}),
+                 b"\x00" * (MAX_PUSH_FAIL_BYTES + 1)):
+        assert decode_push_fail(PUSH_FAIL_NOTIF_PREFIX + body) is None
+    assert wants_push_fail({PUSH_REG_CAPS_KEY: [CAP_PUSH_FAIL]})
+    assert not wants_push_fail({}) and not wants_push_fail({PUSH_REG_CAPS_KEY: CAP_PUSH_FAIL * 2})

@@ -89,6 +89,8 @@ WORKER_CALLS: tuple[Call, ...] = (
     Call("worker", "_xfer_blocks", None, position=("request_id", 2)),
     Call("worker", "_log_failure", (_ANY, _ANY, _ANY, _ANY, _ANY), {"remote_engine_id": _ANY}),
     Call("worker", "get_transfer_results"),
+    Call("worker", "_get_new_notifs"),
+    Call("worker", "_handle_push_reg_notif", (_ANY,)),
     Call("topology", "handshake_target_ranks", (_ANY, _ANY)),
     Call("stats", "__post_init__"),
     Call("stats", "reset"),
@@ -108,7 +110,8 @@ WORKER_ATTRIBUTES: tuple[str, ...] = (
     "_engine_last_active", "xfer_stats", "tp_rank", "engine_id", "transfer_topo",
     "use_host_buffer", "device_id", "compat_hash", "enforce_compat_hash", "_is_csa_linear",
     "block_size", "src_xfer_handles_by_block_size", "block_len_per_layer",
-    "pp_size", "_remote_region_offset",
+    "pp_size", "_remote_region_offset", "_pending_completion_notifs", "_failed_recv_reqs",
+    "_recving_metadata", "_push_finished_blocks",
 )
 # Attributes vLLM's worker sets later (when KV caches are registered) that the fork reads:
 # checked in the source, as assignments `self.<name> = ...` somewhere in the worker classes.

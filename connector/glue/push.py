@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
 from connector.glue.receive import count_blocks
 from connector.telemetry import errors
@@ -48,6 +49,7 @@ from connector.vocabulary import (
     SPAN_PUSH_WRITE,
     Attr,
     LinkRole,
+    PushFailReason,
     PushRegRejection,
     StatKey,
     TelemetryError,
@@ -133,6 +135,9 @@ class PushFlow:
         if problem is not None:
             self._reject_push_reg(problem[0], problem[1], notif)
             return
+        if not self._has_finished_blocks_for(reg["request_id"]) and self._registration_is_late(reg):
+            self._reject_late_registration(reg, notif)  # upstream: pending for ever
+            return
         try:
             super()._handle_push_reg_notif(notif)
         except Exception as exc:
@@ -142,6 +147,11 @@ class PushFlow:
             return
         if self._early_p_to_d and reg["request_id"] in self._pending_d_registrations:
             self._start_early_handshake(reg)
+
+    def _has_finished_blocks_for(self, d_request_id: str) -> bool:
+        """P: finished blocks wait for this PUSH_REG (vLLM matches by base request id)."""
+        base = get_base_request_id(d_request_id)
+        return any(get_base_request_id(rid) == base for rid in list(self._push_finished_blocks))
 
     def _start_early_handshake(self, reg: dict[str, Any]) -> None:
         """Start the P->D handshake now, while the prefill still runs.
@@ -178,6 +188,7 @@ class PushFlow:
     def _do_start_push_kv(self, request_id: str, local_block_ids: Any,
                           registration_data: dict[str, Any]) -> None:
         if self._lease_gone(request_id):
+            self._tell_decoder(registration_data, PushFailReason.LEASE_EXPIRED)
             return
         span = None
         if self._spans.enabled:

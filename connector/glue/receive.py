@@ -24,6 +24,8 @@ from connector.telemetry.tracing import (
     peer_str,
 )
 from connector.vocabulary import (
+    CAP_PUSH_FAIL,
+    PUSH_REG_CAPS_KEY,
     PUSH_REG_TRACE_KEY,
     REGISTRATION_TRACE_KEY,
     SPAN_PUSH_RECEIVE,
@@ -75,6 +77,9 @@ class ReceiveFlow:
             super()._send_heartbeats(metadata)
 
     def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
+        # Tell P we understand PUSH_FAIL (push_fail.py); a stock P ignores the key.
+        if PUSH_REG_CAPS_KEY not in reg_data:
+            reg_data = {**reg_data, PUSH_REG_CAPS_KEY: [CAP_PUSH_FAIL]}
         span = None
         if self._spans.enabled:
             try:

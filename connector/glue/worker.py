@@ -29,6 +29,7 @@ from connector.glue.guard import check_worker
 from connector.glue.handshakes import DEFAULT_HANDSHAKE_TIMEOUT_MS, HandshakeFlow
 from connector.glue.nixl_probe import NixlAgentProbe
 from connector.glue.push import PushFlow
+from connector.glue.push_fail import PushFailFlow
 from connector.glue.receive import ReceiveFlow
 from connector.glue.retry import RetryPolicy
 from connector.telemetry import errors
@@ -56,7 +57,7 @@ _RECEIVE_FAILURES = frozenset({"push_reg_handshake_failed"})
 DEFAULT_REGISTRATION_TIMEOUT_S = 480.0
 
 
-class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnectorWorker):
+class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, NixlPushConnectorWorker):
     """See module docstring."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
@@ -88,6 +89,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnector
         self._pushing = BoundedIdSet()  # P: WRITEs posted, not yet reported done
         self._push_failed = BoundedIdSet()
         self._lease_expired = BoundedIdSet()  # P: reported done without a WRITE
+        self._init_push_fail()
         self._retry_policy = RetryPolicy.from_extra_config(extra)
         # P: start the P->D handshake when D's PUSH_REG arrives (see push.py).
         self._early_p_to_d = str(extra("early_p_to_d_handshake", True)).lower() not in ("false", "0")
@@ -167,6 +169,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, NixlPushConnector
                 self._push_failed.discard(req_id)
                 if not pushed:
                     self._lease_expired.add(req_id)
+                    self._note_lease_expired(req_id)
             span = self._write_spans.pop(req_id)
             self._request_contexts.pop(req_id)
             if pushed and not failed:
