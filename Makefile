@@ -91,8 +91,15 @@ demo: setup
 demo-harness: setup
 	$(PY) -m harness.demo
 
+# Every benchmark, one after the other (about 25 min here); engine logs go to .cache/bench/engine-logs.
+# benchmarks.scale also writes .cache/bench/scale.json and scale.png.
+BENCH_LOGS := $(CURDIR)/.cache/bench/engine-logs
 bench: setup
-	$(PY) -m benchmarks.run
+	@mkdir -p $(BENCH_LOGS) && echo "engine logs: $(BENCH_LOGS)"
+	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.run
+	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.first_request
+	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.cpu_cost
+	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.scale --out .cache/bench
 
 clean:
 	rm -rf $(VENV) $(VENV033) .cache

@@ -37,6 +37,7 @@ class EngineSpec:
     num_layers: int = 2
     num_blocks: int = 128
     num_kv_heads: int = NUM_KV_HEADS
+    head_dim: int = HEAD_DIM  # benchmarks shrink it: descriptor counts at real sizes, in less memory
     block_size: int = 32
     extra_config: dict[str, Any] = field(default_factory=dict)
     # None (off) | "memory" (in-process exporter) | {"endpoint": ..., "protocol": ...}
@@ -68,14 +69,16 @@ class EngineSpec:
         return self.pp_rank * per, (self.pp_rank + 1) * per
 
 
-def write_model_dir(root: Path, num_layers: int, num_kv_heads: int = NUM_KV_HEADS) -> Path:
+def write_model_dir(root: Path, num_layers: int, num_kv_heads: int = NUM_KV_HEADS,
+                    head_dim: int = HEAD_DIM) -> Path:
     """A config-only tiny Llama (no weights, no tokenizer)."""
-    path = root / f"tiny-llama-{num_layers}l-{num_kv_heads}kvh"
+    path = root / f"tiny-llama-{num_layers}l-{num_kv_heads}kvh" if head_dim == HEAD_DIM else \
+        root / f"tiny-llama-{num_layers}l-{num_kv_heads}kvh-{head_dim}hd"
     path.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
-        "num_key_value_heads": num_kv_heads, "head_dim": HEAD_DIM,
+        "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
         "num_hidden_layers": num_layers, "vocab_size": 256,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
         "torch_dtype": "float32", "tie_word_embeddings": False,
@@ -106,7 +109,7 @@ def build_vllm_config(spec: EngineSpec) -> Any:
         VllmConfig,
     )
 
-    model_dir = write_model_dir(Path(spec.workdir), spec.num_layers, spec.num_kv_heads)
+    model_dir = write_model_dir(Path(spec.workdir), spec.num_layers, spec.num_kv_heads, spec.head_dim)
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
                         max_model_len=2048, enforce_eager=True)
     cache = CacheConfig(block_size=spec.block_size)
@@ -133,7 +136,7 @@ def build_kv_cache_config(spec: EngineSpec) -> Any:
 
     # Each TP rank holds its slice of the KV heads, each PP rank its slice of layers.
     attn = FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads // spec.tp_size,
-                             head_size=HEAD_DIM, dtype=torch.float32)
+                             head_size=spec.head_dim, dtype=torch.float32)
     start, end = spec.layer_range()
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(start, end)]
     page = attn.page_size_bytes

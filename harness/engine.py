@@ -338,6 +338,28 @@ class Engine:
         return {"seconds": seconds, "rss_delta": _rss_bytes() - rss0,
                 "dst_handles": len(w.dst_xfer_side_handles.get(eid, {}))}
 
+    def cmd_timed_handshakes(self, prefills: list[dict[str, Any]]) -> dict[str, Any]:
+        """Heartbeat-style D->P handshakes to several producers submitted at once (benchmarks):
+        seconds until the last is done. vLLM runs them one after the other on its
+        one-thread handshake executor; later ones wait in its queue."""
+        from connector.vocabulary import Trigger
+
+        w = self.worker
+        t0 = time.perf_counter()
+        futs = []
+        for prefill in prefills:
+            with (w._triggered_by(Trigger.HEARTBEAT) if hasattr(w, "_triggered_by")
+                  else contextlib.nullcontext()):
+                futs.append(w._ensure_handshake(prefill["engine_id"], prefill["host"], prefill["port"],
+                                                1, 1, 1, False))
+        for fut in futs:
+            if fut is not None:
+                fut.result(timeout=300)
+        seconds = time.perf_counter() - t0
+        while any(p["engine_id"] not in w._remote_agents for p in prefills):
+            time.sleep(0.0005)
+        return {"seconds": seconds}
+
     def cmd_forget(self, engine_id: str) -> None:
         """Drop a remote engine (vLLM's TTL eviction path) so it can be re-measured."""
         self.worker._cleanup_remote_engine(engine_id)

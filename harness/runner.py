@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import secrets
@@ -16,6 +17,8 @@ from harness.config import FORK, EngineSpec
 from harness.engine import engine_main
 from harness.ports import free_port
 
+# When set, every engine whose spec names no log file writes its output to a file here.
+LOG_DIR_ENV = "HARNESS_LOG_DIR"
 # Engine start-up on a loaded 2-core machine can take minutes; raise it there.
 START_TIMEOUT_S = float(os.environ.get("HARNESS_START_TIMEOUT_S", "180"))
 
@@ -29,6 +32,9 @@ class EngineHandle:
 
     def __init__(self, spec: EngineSpec, ctx: Any = None):
         ctx = ctx or mp.get_context("spawn")
+        if spec.log_file is None and os.environ.get(LOG_DIR_ENV):  # quiet parent (benchmarks)
+            spec = dataclasses.replace(spec, log_file=str(
+                Path(os.environ[LOG_DIR_ENV]) / f"{spec.name}-{spec.engine_id}.log"))
         self.spec = spec
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=engine_main, args=(spec, child),

@@ -1,0 +1,24 @@
+"""`python -m benchmarks.scale --smoke` runs end to end and writes its JSON and chart (no thresholds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import scale
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
+
+
+def test_scale_smoke_writes_json_and_png(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARNESS_LOG_DIR", str(tmp_path / "logs"))
+    assert scale.main(["--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "scale-smoke.json").read_text())
+    [size] = result["sizes"]
+    assert size["fork_ms"] > 0 and size["stock_ms"] > 0
+    assert size["fork_saved_descriptors"] > 0  # the fork's D->P handshake was notification-only
+    assert "agent_load" in size["fork_phases_ms"] and "descriptor_registration" not in size["fork_phases_ms"]
+    assert [r["producers"] for r in result["producers"]] == scale.SMOKE_PRODUCERS
+    assert (tmp_path / "scale-smoke.png").stat().st_size > 0
+    assert list((tmp_path / "logs").glob("*.log"))  # engine output went to files
