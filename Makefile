@@ -27,7 +27,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench clean venv-vllm033 test-vllm033
+.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak clean venv-vllm033 test-vllm033
 
 setup: venv system-deps
 
@@ -85,6 +85,10 @@ LANE033_SKIP := $(if $(LANE033_ALL),,--ignore=tests/test_router.py --ignore=test
 test-vllm033: venv-vllm033 system-deps
 	VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm033 \
 	  $(PY033) -m pytest -q -p no:cacheprovider $(if $(LANE033_ALL),-m "not serve",$(LANE033_SKIP)) $(PYTEST_ARGS)
+
+# Opt-in soak on real `vllm serve` beside a CPU hog (issue 9): SOAK_WAVES x SOAK_WAVE_SIZE concurrent requests.
+soak: setup
+	SOAK=1 $(PY) -m pytest -q -p no:cacheprovider -s tests/test_soak_serve.py
 
 # DEMO_ARGS: e.g. --connector stock, --otlp-endpoint http://localhost:4317, --serve
 demo: setup

@@ -8,8 +8,8 @@
    share, and RSS growth of each decoder's first handshake. The cache uses one KV
    head of dimension 4 (1 KiB per block and layer), so the descriptor counts are
    those of a real model while P's cache fits in a few GiB.
-2. Producers. One fork decoder and M fork prefills (M in {1, 4, 16}), the decoder
-   handshakes with all M at once: time until the last is done, and the largest
+2. Producers. One fork and one stock decoder and M fork prefills (M in {1, 4, 16});
+   each decoder handshakes with all M at once: time until the last is done, and the largest
    `queue_wait` phase (vLLM runs handshakes one at a time on its one-thread
    executor, so the M-th waits for the M-1 before it), fork and stock decoders side
    by side.
@@ -56,31 +56,35 @@ def _handshake_records(h: PushHarness, engine: str, n: int, timeout_s: float = 6
     return out
 
 
-def size_case(layers: int, blocks: int, rounds: int, work: str, t0: float) -> dict[str, Any]:
+def _specs(layers: int, p_blocks: list[int], work: str, tag: str) -> list[EngineSpec]:
+    """Fork prefills P0.. (one per entry of `p_blocks`), a fork decoder F and a stock decoder S."""
     common = dict(num_layers=layers, num_kv_heads=1, head_dim=HEAD_DIM, workdir=work)
-    run = f"{layers}x{blocks}"
-    specs = [
-        EngineSpec(name="P", engine_id=f"scale-prefill-{run}", kv_role="kv_producer",
-                   side_channel_port=free_port(), connector=FORK, num_blocks=blocks, **common),
-        EngineSpec(name="F", engine_id=f"scale-fork-decode-{run}", kv_role="kv_consumer",
+    specs = [EngineSpec(name=f"P{i}", engine_id=f"scale-{tag}-p{i}", kv_role="kv_producer",
+                        side_channel_port=free_port(), connector=FORK, num_blocks=b, **common)
+             for i, b in enumerate(p_blocks)]
+    return [
+        *specs,
+        EngineSpec(name="F", engine_id=f"scale-{tag}-fork-decode", kv_role="kv_consumer",
                    side_channel_port=free_port(), connector=FORK, num_blocks=64, **common),
-        EngineSpec(name="S", engine_id=f"scale-stock-decode-{run}", kv_role="kv_consumer",
-                   side_channel_port=free_port(), connector=STOCK, num_blocks=64, **common),
-    ]
+        EngineSpec(name="S", engine_id=f"scale-{tag}-stock-decode", kv_role="kv_consumer",
+                   side_channel_port=free_port(), connector=STOCK, num_blocks=64, **common)]
+
+
+def size_rounds(h: PushHarness, layers: int, blocks: int, rounds: int, t0: float) -> dict[str, Any]:
+    """F and S take turns handshaking with P0 (`blocks` per layer); round 0 gives RSS growth."""
     samples: dict[str, list[float]] = {"F": [], "S": []}
     first: dict[str, dict[str, Any]] = {}
-    with PushHarness(specs) as h:
-        _say(f"{layers} layers x {blocks} blocks: engines up", t0)
-        target = h["P"].address
-        for i in range(rounds + 1):  # round 0: first handshake of each (RSS growth)
-            for name in ("F", "S") if i % 2 == 0 else ("S", "F"):
-                res = h[name].call("timed_handshake", target, timeout=300)
-                if i == 0:
-                    first[name] = res
-                else:
-                    samples[name].append(res["seconds"])
-                h[name].call("forget", target["engine_id"])
-        records = _handshake_records(h, "F", rounds + 1)
+    target = h["P0"].address
+    h.stats("F")
+    for i in range(rounds + 1):
+        for name in ("F", "S") if i % 2 == 0 else ("S", "F"):
+            res = h[name].call("timed_handshake", target, timeout=300)
+            if i == 0:
+                first[name] = res
+            else:
+                samples[name].append(res["seconds"])
+            h[name].call("forget", target["engine_id"])
+    records = _handshake_records(h, "F", rounds + 1)
     measured = records[1:] or records
     names = {phase for rec in measured for phase in rec["phases"]}
     phases = {p: statistics.median(r["phases"].get(p, 0.0) for r in measured) * 1e3 for p in sorted(names)}
@@ -97,42 +101,54 @@ def size_case(layers: int, blocks: int, rounds: int, work: str, t0: float) -> di
     return row
 
 
-def producers_case(ms: list[int], rounds: int, work: str, t0: float) -> list[dict[str, Any]]:
-    common = dict(num_layers=2, num_blocks=64, workdir=work)
-    m_max = max(ms)
-    specs = [EngineSpec(name=f"P{i}", engine_id=f"scale-p{i}", kv_role="kv_producer",
-                        side_channel_port=free_port(), connector=FORK, **common) for i in range(m_max)]
-    specs += [EngineSpec(name="F", engine_id="scale-m-fork-decode", kv_role="kv_consumer",
-                         side_channel_port=free_port(), connector=FORK, **common),
-              EngineSpec(name="S", engine_id="scale-m-stock-decode", kv_role="kv_consumer",
-                         side_channel_port=free_port(), connector=STOCK, **common)]
+def producer_rounds(h: PushHarness, ms: list[int], rounds: int, t0: float) -> list[dict[str, Any]]:
+    """F and S each handshake with the first M prefills at once, for each M."""
+    targets = [h[f"P{i}"].address for i in range(max(ms))]
+    for name in ("F", "S"):  # warm-up: first UCX connections
+        h[name].call("timed_handshakes", targets, timeout=600)
+        for t in targets:
+            h[name].call("forget", t["engine_id"])
+    h.stats("F")
     rows = []
-    with PushHarness(specs) as h:
-        _say(f"{m_max} producers and 2 decoders up", t0)
-        targets = [h[f"P{i}"].address for i in range(m_max)]
-        for name in ("F", "S"):  # warm-up: first UCX connections
-            h[name].call("timed_handshakes", targets, timeout=600)
-            for t in targets:
-                h[name].call("forget", t["engine_id"])
-        h.stats("F")
-        for m in ms:
-            wall: dict[str, list[float]] = {"F": [], "S": []}
-            queue_max: list[float] = []
-            for i in range(rounds):
-                for name in ("F", "S") if i % 2 == 0 else ("S", "F"):
-                    wall[name].append(h[name].call("timed_handshakes", targets[:m], timeout=600)["seconds"])
-                    for t in targets[:m]:
-                        h[name].call("forget", t["engine_id"])
-                recs = _handshake_records(h, "F", m)
-                queue_max.append(max((r["phases"].get("queue_wait", 0.0) for r in recs), default=0.0))
-            row = {"producers": m, "fork_all_done_ms": statistics.median(wall["F"]) * 1e3,
-                   "stock_all_done_ms": statistics.median(wall["S"]) * 1e3,
-                   "fork_max_queue_wait_ms": statistics.median(queue_max) * 1e3}
-            rows.append(row)
-            _say(f"M={m}: all done fork {row['fork_all_done_ms']:.1f} ms, stock "
-                 f"{row['stock_all_done_ms']:.1f} ms; fork max queue_wait "
-                 f"{row['fork_max_queue_wait_ms']:.1f} ms", t0)
+    for m in ms:
+        wall: dict[str, list[float]] = {"F": [], "S": []}
+        queue_max: list[float] = []
+        for i in range(rounds):
+            for name in ("F", "S") if i % 2 == 0 else ("S", "F"):
+                wall[name].append(h[name].call("timed_handshakes", targets[:m], timeout=600)["seconds"])
+                for t in targets[:m]:
+                    h[name].call("forget", t["engine_id"])
+            recs = _handshake_records(h, "F", m)
+            queue_max.append(max((r["phases"].get("queue_wait", 0.0) for r in recs), default=0.0))
+        row = {"producers": m, "fork_all_done_ms": statistics.median(wall["F"]) * 1e3,
+               "stock_all_done_ms": statistics.median(wall["S"]) * 1e3,
+               "fork_max_queue_wait_ms": statistics.median(queue_max) * 1e3}
+        rows.append(row)
+        _say(f"M={m}: all done fork {row['fork_all_done_ms']:.1f} ms, stock "
+             f"{row['stock_all_done_ms']:.1f} ms; fork max queue_wait "
+             f"{row['fork_max_queue_wait_ms']:.1f} ms", t0)
     return rows
+
+
+def full_run(rounds: int, work: str, t0: float) -> dict[str, Any]:
+    sizes = []
+    for layers, blocks in SIZES:  # one P per size: its cache is the big part
+        with PushHarness(_specs(layers, [blocks], work, f"{layers}x{blocks}")) as h:
+            _say(f"{layers} layers x {blocks} blocks: engines up", t0)
+            sizes.append(size_rounds(h, layers, blocks, rounds, t0))
+    with PushHarness(_specs(2, [64] * max(PRODUCERS), work, "m")) as h:
+        _say(f"{max(PRODUCERS)} producers and 2 decoders up", t0)
+        producers = producer_rounds(h, PRODUCERS, rounds, t0)
+    return {"sizes": sizes, "producers": producers}
+
+
+def smoke_run(work: str, t0: float) -> dict[str, Any]:
+    """Both parts on one set of four small engines (CI: it runs, no thresholds)."""
+    (layers, blocks), = SMOKE_SIZES
+    with PushHarness(_specs(layers, [blocks] + [64] * (max(SMOKE_PRODUCERS) - 1), work, "smoke")) as h:
+        _say("smoke engines up", t0)
+        return {"sizes": [size_rounds(h, layers, blocks, 1, t0)],
+                "producers": producer_rounds(h, SMOKE_PRODUCERS, 1, t0)}
 
 
 def chart(result: dict[str, Any], path: Path) -> None:
@@ -191,13 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(LOG_DIR_ENV, str(out / "engine-logs"))
     Path(os.environ[LOG_DIR_ENV]).mkdir(parents=True, exist_ok=True)
     print(f"engine logs: {os.environ[LOG_DIR_ENV]}", flush=True)
-    sizes, producers = (SMOKE_SIZES, SMOKE_PRODUCERS) if args.smoke else (SIZES, PRODUCERS)
-    rounds = 1 if args.smoke else args.rounds
     t0 = time.monotonic()
     work = tempfile.mkdtemp(prefix="bench-scale-")
+    rounds = 1 if args.smoke else args.rounds
     result: dict[str, Any] = {"rounds": rounds, "head_dim": HEAD_DIM,
-                              "sizes": [size_case(la, bl, rounds, work, t0) for la, bl in sizes],
-                              "producers": producers_case(producers, rounds, work, t0)}
+                              **(smoke_run(work, t0) if args.smoke else full_run(rounds, work, t0))}
     print_tables(result)
     stem = "scale-smoke" if args.smoke else "scale"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))

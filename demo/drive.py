@@ -63,12 +63,13 @@ def tokens_of(answer: dict[str, Any]) -> list[int]:
     return list(answer["choices"][0]["token_ids"])
 
 
-def disaggregated(router_url: str, prompt: list[int], request_id: str, max_tokens: int) -> Outcome:
+def disaggregated(router_url: str, prompt: list[int], request_id: str, max_tokens: int,
+                  timeout_s: float = 180) -> Outcome:
     traceparent, trace_id = new_traceparent()
     out = Outcome(request_id, prompt, trace_id)
     try:
         answer = _post(router_url + "/v1/completions", body(prompt, max_tokens),
-                       {"X-Request-Id": request_id, "traceparent": traceparent})
+                       {"X-Request-Id": request_id, "traceparent": traceparent}, timeout_s=timeout_s)
         out.tokens = tokens_of(answer)
     except Exception as exc:  # reported per request, not raised
         detail = exc.read().decode(errors="replace")[:300] if hasattr(exc, "read") else ""
@@ -100,14 +101,14 @@ def reference(engine_url: str, prompt: list[int], max_tokens: int, salt: str) ->
 
 
 def run(router_url: str, reference_url: str, prompts: list[list[int]], *, prefix: str, max_tokens: int,
-        concurrency: int = 1) -> list[Outcome]:
+        concurrency: int = 1, timeout_s: float = 180) -> list[Outcome]:
     """Send the prompts (one by one, or `concurrency` at a time), then their references."""
     ids = [f"{prefix}-{i:03d}" for i in range(len(prompts))]
     if concurrency <= 1:
-        outcomes = [disaggregated(router_url, p, rid, max_tokens) for p, rid in zip(prompts, ids)]
+        outcomes = [disaggregated(router_url, p, rid, max_tokens, timeout_s) for p, rid in zip(prompts, ids)]
     else:
         with ThreadPoolExecutor(concurrency) as pool:
-            outcomes = list(pool.map(lambda a: disaggregated(router_url, a[0], a[1], max_tokens),
+            outcomes = list(pool.map(lambda a: disaggregated(router_url, a[0], a[1], max_tokens, timeout_s),
                                      zip(prompts, ids)))
     for o in outcomes:
         if not o.error:

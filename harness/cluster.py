@@ -87,8 +87,10 @@ class Cluster:
         return self
 
     def stop(self) -> None:
+        for handle in self.ranks:  # every rank shuts down at once
+            handle.request_stop()
         for handle in self.ranks:
-            handle.stop()
+            handle.finish_stop()
 
     def __enter__(self) -> Cluster:
         return self.start()

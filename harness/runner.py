@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -80,12 +81,22 @@ class EngineHandle:
         return ids
 
     def stop(self) -> None:
+        self.request_stop()
+        self.finish_stop()
+
+    def request_stop(self) -> None:
+        """Ask the engine to shut down (returns at once; see `finish_stop`)."""
+        self._stop_sent = False
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(Exception):
                 self._conn.send(("stop", ()))
+                self._stop_sent = True
+
+    def finish_stop(self) -> None:
+        """Wait for the shutdown asked for, then make sure the process is gone."""
+        if getattr(self, "_stop_sent", False):
+            with contextlib.suppress(Exception):
                 self._receive(10.0)
-            except Exception:
-                pass
             self.process.join(5)
         if self.process.is_alive():
             self.process.kill()
@@ -165,9 +176,15 @@ class PushHarness:
         return self
 
     def stop(self) -> None:
-        # Decode engines first, so nobody notifies an engine that is gone.
-        for handle in sorted(self.engines.values(), key=lambda h: h.spec.kv_role != "kv_consumer"):
-            handle.stop()
+        # Decode engines first, so nobody notifies an engine that is gone; each group
+        # shuts down in parallel (an engine's shutdown waits on its threads for a while).
+        handles = list(self.engines.values())
+        for group in ([h for h in handles if h.spec.kv_role == "kv_consumer"],
+                      [h for h in handles if h.spec.kv_role != "kv_consumer"]):
+            for handle in group:
+                handle.request_stop()
+            for handle in group:
+                handle.finish_stop()
 
     def __enter__(self) -> PushHarness:
         return self.start()

@@ -286,8 +286,12 @@ def run_matrix(workdir: str, shapes: tuple[PShape, ...] = MATRIX, requests: int 
                         d = ds[(conn, tp)]
                         yield p, d, runner.run_case(p, d)
     finally:
+        for cluster in ds.values():  # all decoders shut down at once
+            for handle in cluster.ranks:
+                handle.request_stop()
         for cluster in ds.values():
-            cluster.stop()
+            for handle in cluster.ranks:
+                handle.finish_stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -175,7 +175,7 @@ CORE = {
     "Handshakes/s by trigger and outcome", "Handshake failure ratio by direction",
     "Executor queue wait p50 / p95 / p99", "Per-phase latency p95", "Mean time per phase (range)",
     # Reliability: gauges set to 0 and counters created at 0 at start-up (0 is data).
-    "Handshakes in flight", "Oldest handshake in flight", "Handshake retries/s", "PUSH_REG rejected/s",
+    "Handshakes in flight", "Oldest handshake in flight", "Handshake retries/s", "Peer input rejected/s",
     "Telemetry errors/s",
 }
 # Failure and expiry panels: nothing fails in a healthy run.

@@ -144,6 +144,7 @@ def test_port_in_use_fails_start_up_with_the_port_named_instead_of_waiting_forev
     sched._nixl_handshake_listener_t = None
     sched._stop_event = threading.Event()
     sched.side_channel_host, sched.side_channel_port = HOST, port
+    sched._handshake_data, sched._registration_generation = {}, 0  # read by vLLM 0.33
     payload = NixlHandshakePayload(compatibility_hash="h", agent_metadata_bytes=b"m")
     result: dict[str, BaseException] = {}
 

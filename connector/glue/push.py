@@ -206,6 +206,8 @@ class PushFlow:
                                 Attr.NUM_BLOCKS: count_blocks(local_block_ids)})
                 self._write_spans.put(request_id, span)
         self._trigger_local.deferred = False
+        # Before the WRITE is posted: once it is, P's main thread may end the span at any time.
+        self._note_handshake_wait(request_id, span)
         with activated(span), self._triggered_by(Trigger.PUSH_WRITE):
             try:
                 super()._do_start_push_kv(request_id, local_block_ids, registration_data)
@@ -214,24 +216,29 @@ class PushFlow:
                 # the batch. It costs this request only (its lease reclaims the blocks).
                 self._log_failure(failure_type="transfer_setup_failed", req_id=request_id,
                                   msg="push could not start", error=exc)
-        self._note_handshake_wait(request_id, span, deferred=self._trigger_local.deferred)
+        if self._trigger_local.deferred:
+            self._note_deferred(request_id)
 
-    def _note_handshake_wait(self, request_id: str, span: Any, deferred: bool) -> None:
+    def _note_handshake_wait(self, request_id: str, span: Any) -> None:
         """How long this WRITE waited for its P->D handshake (writer thread only).
 
         vLLM defers a WRITE whose handshake is pending and calls `_do_start_push_kv`
-        again when it is done: the time between the two calls is the wait.
+        again when it is done: the time between the two calls is the wait. A first
+        call sets 0; if it is then deferred, the second call sets the real wait.
         """
         try:
-            if deferred:
-                self._write_deferred_at.setdefault(request_id, time.monotonic())
-                while len(self._write_deferred_at) > MAX_TRACKED_REQUESTS:
-                    self._write_deferred_at.pop(next(iter(self._write_deferred_at)))
-                return
             started = self._write_deferred_at.pop(request_id, None)
             waited = 0.0 if started is None else time.monotonic() - started
             if span is not None and span.is_recording():
                 span.set_attribute(Attr.HANDSHAKE_WAIT, waited)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
+
+    def _note_deferred(self, request_id: str) -> None:
+        try:
+            self._write_deferred_at.setdefault(request_id, time.monotonic())
+            while len(self._write_deferred_at) > MAX_TRACKED_REQUESTS:
+                self._write_deferred_at.pop(next(iter(self._write_deferred_at)))
         except Exception as exc:
             errors.note(TelemetryError.SPAN, exc)
 
