@@ -31,9 +31,9 @@ from harness.runner import free_port
 
 QUEUE = 16
 BATCH = 4
-BSP = {"max_queue_size": QUEUE, "max_export_batch_size": BATCH, "export_timeout_s": 5}
+BSP = {"max_queue_size": QUEUE, "max_export_batch_size": BATCH, "export_timeout_s": 2}
 REQUESTS = 20
-SLOW_S = 2.0
+SLOW_S = 1.0
 PHASES = ("down", "slow", "refusing")
 LOSSES = (TelemetryError.SPANS_DROPPED.value, TelemetryError.SPAN_EXPORT_FAILED.value)
 
