@@ -321,14 +321,11 @@ class Engine:
         The fork makes it notification-only; the stock connector does a full one
         for a PP=1 producer. Memory is the process RSS before and after.
         """
-        from connector.vocabulary import Trigger
 
         w, eid = self.worker, prefill["engine_id"]
         rss0 = _rss_bytes()
         t0 = time.perf_counter()
-        as_heartbeat = (w._triggered_by(Trigger.HEARTBEAT) if hasattr(w, "_triggered_by")
-                        else contextlib.nullcontext())
-        with as_heartbeat:
+        with _as_heartbeat(w):
             fut = w._ensure_handshake(eid, prefill["host"], prefill["port"], 1, 1, 1, False)
         if fut is not None:
             fut.result(timeout=120)
@@ -342,14 +339,12 @@ class Engine:
         """Heartbeat-style D->P handshakes to several producers submitted at once (benchmarks):
         seconds until the last is done. vLLM runs them one after the other on its
         one-thread handshake executor; later ones wait in its queue."""
-        from connector.vocabulary import Trigger
 
         w = self.worker
         t0 = time.perf_counter()
         futs = []
         for prefill in prefills:
-            with (w._triggered_by(Trigger.HEARTBEAT) if hasattr(w, "_triggered_by")
-                  else contextlib.nullcontext()):
+            with _as_heartbeat(w):
                 futs.append(w._ensure_handshake(prefill["engine_id"], prefill["host"], prefill["port"],
                                                 1, 1, 1, False))
         for fut in futs:
@@ -461,6 +456,15 @@ class Engine:
         self.worker = None
         self.nixl_log = None
         gc.collect()
+
+
+def _as_heartbeat(worker: Any) -> Any:
+    """Tag handshakes started inside as heartbeat-triggered (the fork's worker; no-op on stock)."""
+    from connector.vocabulary import Trigger
+
+    if hasattr(worker, "_triggered_by"):
+        return worker._triggered_by(Trigger.HEARTBEAT)
+    return contextlib.nullcontext()
 
 
 def engine_main(spec: EngineSpec, conn: Connection) -> None:
