@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
-from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import pytest
@@ -30,6 +27,7 @@ from connector.glue.connector import NixlPushConnector
 from connector.glue.scheduler import ObservedPushScheduler
 from connector.glue.side_channel import SideChannelClient
 from connector.telemetry.stats import ObservedNixlStats
+from demo.stack import wait_until
 from harness.ports import free_port
 from tests.test_stats_and_prometheus import frontend
 
@@ -56,15 +54,6 @@ def send_frames(host: str, port: int, frames: list[bytes]) -> None:
         sock.close(linger=2000)  # delivered before the context goes
     finally:
         ctx.term()
-
-
-def poll(cond: Callable[[], Any], what: str) -> Any:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        if value := cond():
-            return value
-        time.sleep(0.02)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 class Listener:
@@ -105,7 +94,8 @@ def test_stock_listener_dies_on_one_bad_request(frames, reason):
     try:
         assert stock.fetch() == PAYLOADS[(0, 0)]
         stock.send_raw(frames)
-        poll(lambda: not stock.thread.is_alive(), "the stock listener thread to end")
+        wait_until(lambda: not stock.thread.is_alive(), DEADLINE_S, "the stock listener thread to end",
+                   step_s=0.02)
         with pytest.raises(Exception, match=r"unreachable|did not answer"):
             stock.fetch(timeout_ms=500)
     finally:
@@ -128,7 +118,7 @@ def test_supervised_listener_counts_each_bad_request_and_keeps_serving():
             expected[reason] = expected.get(reason, 0) + 1
             # Counted means the old socket is gone; a request sent before that could be
             # lost with it (a real handshake retries), one sent now reaches the new one.
-            poll(all_counted, f"rejections {expected} (have {counted})")
+            wait_until(all_counted, DEADLINE_S, f"rejections {expected} (have {counted})", step_s=0.02)
             assert ours.fetch() == PAYLOADS[(0, 0)]  # serving again, on the same port
         assert ours.thread.is_alive()
     finally:
