@@ -28,7 +28,14 @@ from harness import PushHarness
 from harness.config import FORK
 from harness.runner import LOG_DIR_ENV
 
-OURS = "/connector/"
+OURS = "connector/"
+
+
+def _our_file(frame: str) -> str | None:
+    """The project file a py-spy frame `func (path:line)` is in, or None (vLLM's own
+    `kv_connector/` paths are not ours: py-spy prints our files relative, theirs under vllm/)."""
+    path = frame.rpartition(" (")[2].split(":")[0]
+    return path if path.startswith(OURS) else None
 
 
 def _summary(path: Path, name: str, top: int) -> None:
@@ -39,11 +46,11 @@ def _summary(path: Path, name: str, top: int) -> None:
         n = int(count)
         total += n
         frames = stack.split(";")
-        mine = {f for f in frames if OURS in f}
+        mine = {f"{f.rpartition(' (')[0]} ({path})" for f in frames if (path := _our_file(f))}
         if mine:
             ours += n
-        for f in mine:
-            by_func[f.split(" (")[0] + " (" + f.split(OURS, 1)[1].split(":")[0] + ")"] += n
+        for func in mine:
+            by_func[func] += n
     print(f"\n{name}: {total} samples, {100 * ours / max(total, 1):.1f}% with connector/ code on the stack")
     for func, n in by_func.most_common(top):
         print(f"  {100 * n / max(total, 1):5.1f}%  {func}")

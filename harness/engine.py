@@ -369,6 +369,25 @@ class Engine:
         samples.sort()
         return samples[len(samples) // 2]
 
+    def cmd_step_parts(self, n: int) -> dict[str, float]:
+        """Median seconds of each connector call of an idle step (where a step's cost sits)."""
+        wc = self.worker_connector
+        parts: dict[str, Any] = {
+            "start_load_kv": lambda: (wc.bind_connector_metadata(self._new_meta()), wc.start_load_kv(None),
+                                      wc.clear_connector_metadata()),
+            "get_transfer_results": lambda: wc.get_transfer_results(set()),
+            "get_kv_connector_stats": wc.get_kv_connector_stats,
+        }
+        if self.scheduler_connector is not None:
+            parts["scheduler stats"] = self.scheduler_connector.get_kv_connector_stats
+        samples: dict[str, list[float]] = {name: [] for name in parts}
+        for _ in range(n):
+            for name, call in parts.items():
+                t0 = time.perf_counter()
+                call()
+                samples[name].append(time.perf_counter() - t0)
+        return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+
     def cmd_batch(self, commands: list[tuple[str, tuple]]) -> list[Any]:
         """Run several commands in one round trip (load tests drive thousands)."""
         return [getattr(self, f"cmd_{name}")(*args) for name, args in commands]

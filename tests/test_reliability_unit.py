@@ -300,3 +300,17 @@ def test_push_fail_round_trip_and_what_is_refused():
         assert decode_push_fail(PUSH_FAIL_NOTIF_PREFIX + body) is None
     assert wants_push_fail({PUSH_REG_CAPS_KEY: [CAP_PUSH_FAIL]})
     assert not wants_push_fail({}) and not wants_push_fail({PUSH_REG_CAPS_KEY: CAP_PUSH_FAIL * 2})
+
+
+def test_notif_inbox_sets_push_fails_aside_and_keeps_the_rest_in_order():
+    """The writer's forwarded notifications: PUSH_FAILs go to their own deque (the main
+    thread checks it each step without a lock); everything else stays FIFO for vLLM."""
+    from connector.glue.push_fail import NotifInbox, encode_push_fail
+    from connector.vocabulary import PushFailReason
+
+    inbox = NotifInbox()
+    fail = encode_push_fail("cmpl-7-0123abcd", PushFailReason.LEASE_EXPIRED)
+    for item in (b"req-1:1", fail, b"HB:req-2", b"req-3:2"):
+        inbox.put(item)
+    assert list(inbox.push_fails) == [fail]
+    assert [inbox.get_nowait() for _ in range(inbox.qsize())] == [b"req-1:1", b"HB:req-2", b"req-3:2"]

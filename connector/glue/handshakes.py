@@ -18,9 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -81,6 +79,28 @@ class _HandshakeJob:
     attempt: int = 0
 
 
+class TriggerScope:
+    """`with` block during which this thread's handshakes are tagged with `trigger`.
+
+    A small class rather than a generator context manager: it runs on the writer
+    thread for every push, and this costs a third as much.
+    """
+
+    __slots__ = ("_local", "_previous", "_trigger")
+
+    def __init__(self, local: threading.local, trigger: Trigger):
+        self._local = local
+        self._trigger = trigger
+        self._previous: Trigger | None = None
+
+    def __enter__(self) -> None:
+        self._previous = getattr(self._local, "trigger", None)
+        self._local.trigger = self._trigger
+
+    def __exit__(self, *exc: object) -> None:
+        self._local.trigger = self._previous
+
+
 class HandshakeFlow:
     """Mixin for `NixlPushConnectorWorker`: handshake flavor, dedup, upgrade and phases.
 
@@ -90,14 +110,8 @@ class HandshakeFlow:
     """
 
     # ------------------------------------------------------------------ triggers
-    @contextmanager
-    def _triggered_by(self, trigger: Trigger) -> Iterator[None]:
-        previous = getattr(self._trigger_local, "trigger", None)
-        self._trigger_local.trigger = trigger
-        try:
-            yield
-        finally:
-            self._trigger_local.trigger = previous
+    def _triggered_by(self, trigger: Trigger) -> TriggerScope:
+        return TriggerScope(self._trigger_local, trigger)
 
     def _flavor_for(self, trigger: Trigger, requested_notif_only: bool) -> tuple[Direction, bool]:
         """Direction and flavor of a handshake from what started it."""

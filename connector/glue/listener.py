@@ -72,6 +72,8 @@ def note_rejected(reason: SideChannelRejection, exc: BaseException, port: int) -
 
 def drain_rejected() -> dict[str, int]:
     """{reason: count} since the last drain (the scheduler's stats interval)."""
+    if not _rejected:  # the scheduler asks every step: no lock on the common path
+        return {}
     with _lock:
         out = dict(_rejected)
         _rejected.clear()

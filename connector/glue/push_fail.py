@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -68,11 +69,38 @@ def wants_push_fail(reg: dict[str, Any]) -> bool:
     return isinstance(caps, list | tuple) and CAP_PUSH_FAIL in caps
 
 
+class NotifInbox(queue.Queue):
+    """vLLM's writer -> main thread notification queue, with PUSH_FAILs set aside.
+
+    The writer thread forwards every NIXL notification that is not a PUSH_REG into
+    this queue; a PUSH_FAIL goes to `push_fails` instead (a deque: appends and pops
+    are atomic), so the main thread checks one deque per step and never takes other
+    notifications out and puts them back.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.push_fails: deque[bytes] = deque()
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if isinstance(item, bytes) and item.startswith(PUSH_FAIL_NOTIF_PREFIX):
+            self.push_fails.append(item)
+            return
+        super().put(item, block, timeout)
+
+
 class PushFailFlow:
     """Mixin for `NixlPushConnectorWorker`: both ends of the PUSH_FAIL notification."""
 
     def _init_push_fail(self) -> None:
+        """Called at the end of the worker's `__init__`, before vLLM starts the writer
+        thread (`register_kv_caches`), so nothing was queued in the inbox replaced here."""
         self._lease_expired_bases = BoundedIdSet()  # P: base ids of leases that ended unpushed
+        inbox = NotifInbox()
+        old = self._pending_completion_notifs
+        while not old.empty():  # (defensive: carry over anything already queued)
+            inbox.put(old.get_nowait())
+        self._pending_completion_notifs = inbox
 
     # ------------------------------------------------------------------ P side
     def _note_lease_expired(self, request_id: str) -> None:
@@ -134,27 +162,18 @@ class PushFailFlow:
 
     # ------------------------------------------------------------------ D side
     def _get_new_notifs(self) -> set[str]:
-        try:
-            self._take_push_fail_notifs()
-        except Exception as exc:
-            errors.note(TelemetryError.STATS, exc)
+        if self._pending_completion_notifs.push_fails:  # rare: one deque check per step
+            try:
+                self._take_push_fail_notifs()
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)
         return super()._get_new_notifs()
 
     def _take_push_fail_notifs(self) -> None:
-        """D (main thread): act on PUSH_FAILs; every other notification stays queued."""
-        q = self._pending_completion_notifs
-        others: list[bytes] = []
-        while True:
-            try:
-                notif = q.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(notif, bytes) and notif.startswith(PUSH_FAIL_NOTIF_PREFIX):
-                self._on_push_fail(notif)
-            else:
-                others.append(notif)
-        for notif in others:
-            q.put(notif)
+        """D (main thread): act on the PUSH_FAILs the writer set aside (see `NotifInbox`)."""
+        pending = self._pending_completion_notifs.push_fails
+        while pending:
+            self._on_push_fail(pending.popleft())
 
     def _on_push_fail(self, notif: bytes) -> None:
         parsed = decode_push_fail(notif)

@@ -43,8 +43,8 @@ class ReceiveFlow:
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         # (vLLM skips the whole step on these ranks; so do we.)
-        skipped = getattr(self, "pcp_rank", 0) > 0 and not getattr(self, "pcp_dcp_sharded", False)
-        if metadata.push_registrations and not skipped:
+        if metadata.push_registrations and not (
+                getattr(self, "pcp_rank", 0) > 0 and not getattr(self, "pcp_dcp_sharded", False)):
             try:
                 self._start_receives(metadata.push_registrations)
             except Exception as exc:
@@ -73,6 +73,9 @@ class ReceiveFlow:
                             Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
 
     def _send_heartbeats(self, metadata: NixlConnectorMetadata) -> None:
+        if not metadata.heartbeat_by_engine:  # most steps: nothing to send, nothing to tag
+            super()._send_heartbeats(metadata)
+            return
         with self._triggered_by(Trigger.HEARTBEAT):
             super()._send_heartbeats(metadata)
 

@@ -161,6 +161,8 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         return results
 
     def _account_results(self, results: KVConnectorTransferResults) -> None:
+        if not (results.finished_sending or results.finished_recving or self._receive_clock):
+            return  # the idle step
         for req_id in results.finished_sending:
             with self._push_lock:
                 pushed = req_id in self._pushing

@@ -42,6 +42,8 @@ class ReceiveClock:
 
     def pop_expired(self, now: float | None = None) -> list[tuple[str, float]]:
         """Receives older than the timeout, removed, with their age in seconds."""
+        if not self._started:  # no receive open: no lock, no clock read
+            return []
         now = time.monotonic() if now is None else now
         out: list[tuple[str, float]] = []
         with self._lock:

@@ -36,11 +36,19 @@ class ObservedNixlStats(NixlKVConnectorStats):
         # Stats rebuilt from a stock peer's dict lack our keys: add them empty.
         for key in OUR_STAT_KEYS:
             self.data.setdefault(key, [])
+        self._has_ours = self._scan_ours()
+
+    def _scan_ours(self) -> bool:
+        """Whether any of our keys holds a record (recomputed only when data arrives
+        wholesale; the `record_*` methods set the flag as they append)."""
+        data = self.data
+        return any(data.get(key) for key in OUR_STAT_KEYS)
 
     def reset(self) -> None:
         with _LOCK:
             super().reset()  # binds a new dict; the old one belongs to the clone
             self.data.update({key: [] for key in OUR_STAT_KEYS})
+            self._has_ours = False
 
     def clone_and_reset(self) -> ObservedNixlStats:
         with _LOCK:
@@ -52,6 +60,7 @@ class ObservedNixlStats(NixlKVConnectorStats):
     def _append(self, key: str, value: Any) -> None:
         with _LOCK:
             self.data.setdefault(key, []).append(value)
+            self._has_ours = True
 
     def record_handshake(self, record: HandshakeRecord) -> None:
         self._append(StatKey.HANDSHAKES, record.to_stats())
@@ -79,11 +88,13 @@ class ObservedNixlStats(NixlKVConnectorStats):
             bucket = self.data.setdefault(key, [])
             for reason, n in reasons.items():
                 bucket.extend([reason] * n)
+            self._has_ours = self._has_ours or bool(bucket)
 
     def set_in_flight(self, snapshot: dict[str, list[float]]) -> None:
         """This worker's unfinished handshakes now: {"dir|notif": [count, oldest_s]}."""
         with _LOCK:
             self.data[StatKey.IN_FLIGHT] = [snapshot]
+            self._has_ours = True
 
     def record_receive(self, outcome: str, seconds: float, ids: tuple[str, str] | None) -> None:
         """One D-side receive; `ids` (trace id, span id) of its span become the exemplar."""
@@ -95,13 +106,16 @@ class ObservedNixlStats(NixlKVConnectorStats):
     # -- vLLM's contract ---------------------------------------------------------
     def is_empty(self) -> bool:
         # An interval with only handshakes (no transfer yet) must not be dropped.
-        return super().is_empty() and not any(self.data.get(k) for k in OUR_STAT_KEYS)
+        # vLLM asks every engine step: a flag, not a scan of our twelve keys.
+        return not self._has_ours and super().is_empty()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if other.is_empty():
             return self
-        for key, values in other.data.items():
-            self.data.setdefault(key, []).extend(values)
+        with _LOCK:
+            for key, values in other.data.items():
+                self.data.setdefault(key, []).extend(values)
+            self._has_ours = self._scan_ours()
         return self
 
     @property
