@@ -27,7 +27,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak clean venv-vllm033 test-vllm033
+.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak load clean venv-vllm033 test-vllm033
 
 setup: venv system-deps
 
@@ -76,13 +76,13 @@ test: setup lint check-dashboards
 # version-independent and already ran in `make test`.
 # To keep the whole CI inside its budget, the second lane leaves out what does not depend on the vLLM
 # version (router, dashboards, real Prometheus, OTLP export and back-end faults, metric registry, exemplar
-# encoding, tracing set-up, span placement, config refusal, the benchmark smoke) and the two long matrices (TP/PP shapes, real-engine faults), which run on 0.32 only;
+# encoding, tracing set-up, span placement, config refusal, the benchmark smoke, the load test) and the two long matrices (TP/PP shapes, real-engine faults), which run on 0.32 only;
 # LANE033_ALL=1 runs everything.
 LANE033_SKIP := $(if $(LANE033_ALL),,--ignore=tests/test_router.py --ignore=tests/test_dashboards.py \
   --ignore=tests/test_telemetry_backends.py --ignore=tests/test_metric_registry.py \
   --ignore=tests/test_shapes.py --ignore=tests/test_reliability_real.py --ignore=tests/test_bench_smoke.py \
   --ignore=tests/test_otlp_export.py --ignore=tests/test_write_span_placement.py --ignore=tests/test_exemplars.py \
-  --ignore=tests/test_bad_config.py --ignore=tests/test_tracing_setup.py -m "not serve and not prometheus")
+  --ignore=tests/test_bad_config.py --ignore=tests/test_tracing_setup.py --ignore=tests/test_load.py -m "not serve and not prometheus")
 test-vllm033: venv-vllm033 system-deps
 	VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm033 \
 	  $(PY033) -m pytest -q -p no:cacheprovider $(if $(LANE033_ALL),-m "not serve",$(LANE033_SKIP)) $(PYTEST_ARGS)
@@ -90,6 +90,12 @@ test-vllm033: venv-vllm033 system-deps
 # Opt-in soak on real `vllm serve` beside a CPU hog (issue 9): SOAK_WAVES x SOAK_WAVE_SIZE concurrent requests.
 soak: setup
 	SOAK=1 $(PY) -m pytest -q -p no:cacheprovider -s tests/test_soak_serve.py
+
+# The load test at the issue's size (CI runs it at 1,200 requests x 6 decoders): 50 decoders in waves of 10.
+LOAD_REQUESTS ?= 10000
+LOAD_DECODERS ?= 50
+load: setup
+	LOAD_REQUESTS=$(LOAD_REQUESTS) LOAD_DECODERS=$(LOAD_DECODERS) $(PY) -m pytest -q -p no:cacheprovider -s tests/test_load.py
 
 # DEMO_ARGS: e.g. --connector stock, --otlp-endpoint http://localhost:4317, --serve
 demo: setup

@@ -123,8 +123,10 @@ def push_bench(requests: int, batches: int) -> dict[str, float]:
 
 
 def step_bench(rounds: int = 5, steps: int = 2000) -> dict[str, float]:
-    """Cost of one idle engine-loop step (start_load_kv + get_transfer_results + stats)."""
+    """Cost of one idle engine-loop step (start_load_kv + get_transfer_results + stats),
+    and of each connector call in it."""
     samples: dict[str, list[float]] = {"fork": [], "stock": []}
+    parts: dict[str, list[dict[str, float]]] = {"fork": [], "stock": []}
     with PushHarness.pd(connector=FORK) as fork, PushHarness.pd(connector=STOCK) as stock:
         pair = [("fork", fork), ("stock", stock)]
         for h in (fork, stock):
@@ -132,11 +134,16 @@ def step_bench(rounds: int = 5, steps: int = 2000) -> dict[str, float]:
         for i in range(rounds):
             for name, h in pair if i % 2 == 0 else pair[::-1]:
                 samples[name].extend(h[e].call("step_cost", steps) for e in ("P", "D"))
+                parts[name].extend(h[e].call("step_parts", steps) for e in ("P", "D"))
     med = {n: statistics.median(v) * 1e6 for n, v in samples.items()}
     print(f"\n== idle engine-loop step (worker start_load_kv + get_transfer_results + stats), "
           f"median of {rounds} rounds x {steps} steps per engine")
     print(f"fork {med['fork']:.1f} us vs stock {med['stock']:.1f} us  ratio {med['fork'] / med['stock']:.2f} "
           f"(+{med['fork'] - med['stock']:.1f} us per step)")
+    print("per connector call (median us):")
+    for call in parts["fork"][0]:
+        f, s = (statistics.median(p[call] for p in parts[n]) * 1e6 for n in ("fork", "stock"))
+        print(f"  {call:<24} fork {f:6.2f}  stock {s:6.2f}  +{f - s:5.2f}")
     return med
 
 

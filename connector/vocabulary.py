@@ -464,6 +464,22 @@ def allowed_values(metric: str, label: str) -> tuple[str, ...]:
     return METRIC_LABEL_VALUES.get((metric, label), LABEL_VALUES.get(label, ()))
 
 
+def series_bound(metrics: tuple[MetricSpec, ...] = ALL_METRICS) -> int:
+    """Most samples `metrics` can expose per engine in the Prometheus text format:
+    every closed label combination, times the samples of one series (a gauge: 1; a
+    counter: `_total` and `_created`; a histogram: its buckets, `+Inf`, `_sum`,
+    `_count` and `_created`). No label takes a peer- or request-derived value, so
+    this bound holds whatever the traffic (the load test checks it)."""
+    per_kind = {MetricKind.GAUGE: 1, MetricKind.COUNTER: 2}
+    total = 0
+    for metric in metrics:
+        combos = 1
+        for label in metric.labels:
+            combos *= len(allowed_values(metric.name, label))
+        total += combos * per_kind.get(metric.kind, len(metric.buckets) + 4)
+    return total
+
+
 # Stock vLLM NIXL metrics we keep emitting unchanged (dashboards may query them).
 STOCK_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("vllm:nixl_xfer_time_seconds", MetricKind.HISTOGRAM, (), "NIXL transfer duration.", "s"),

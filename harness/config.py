@@ -19,6 +19,17 @@ STOCK = "stock"
 FORK = "fork"
 
 
+# Harness engines let NIXL's progress thread sleep this long between polls unless
+# HARNESS_NIXL_PROGRESS_DELAY_US says otherwise ("0" = NIXL's default busy loop).
+DEFAULT_PROGRESS_DELAY_US = 100
+PROGRESS_DELAY_ENV = "HARNESS_NIXL_PROGRESS_DELAY_US"
+
+
+def progress_delay_from_env() -> int | None:
+    value = int(os.environ.get(PROGRESS_DELAY_ENV, DEFAULT_PROGRESS_DELAY_US))
+    return value or None
+
+
 @dataclass
 class EngineSpec:
     """One engine of the harness, or one rank of a multi-rank engine.
@@ -50,6 +61,9 @@ class EngineSpec:
     rank: int = 0
     dist_init_file: str | None = None  # shared file:// rendezvous of one engine's ranks
     log_file: str | None = None  # engine logs go here (stderr of the process)
+    # Microseconds NIXL's progress thread sleeps between polls (None: NIXL's own 0, a
+    # busy loop worth one core per engine; see harness/nixl_progress.py).
+    nixl_progress_delay_us: int | None = field(default_factory=lambda: progress_delay_from_env())
 
     @property
     def world_size(self) -> int:

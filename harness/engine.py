@@ -403,6 +403,14 @@ class Engine:
 
         return ledger()
 
+    def cmd_state_sizes(self) -> dict[str, int]:
+        """Entries in the fork worker's per-request telemetry state (empty for stock)."""
+        w = self.worker
+        tables = ("_write_spans", "_receive_spans", "_register_spans", "_request_contexts",
+                  "_pushing", "_push_failed", "_lease_expired", "_receive_clock", "_in_flight",
+                  "_lease_expired_bases", "_write_deferred_at")
+        return {name: len(getattr(w, name)) for name in tables if hasattr(w, name)}
+
     def cmd_rss(self) -> int:
         return _rss_bytes()
 
@@ -497,6 +505,10 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(line_buffering=True)
     try:
+        if spec.nixl_progress_delay_us:
+            from harness.nixl_progress import set_progress_delay
+
+            set_progress_delay(spec.nixl_progress_delay_us)
         if spec.tracing == "memory":
             from connector.testing.spans import install_memory_tracer
 

@@ -131,8 +131,11 @@ class PushHarness:
     Typical use: `with PushHarness.pd() as h: report = h.push(20)`.
     """
 
-    def __init__(self, specs: list[EngineSpec]):
+    def __init__(self, specs: list[EngineSpec], ctx: Any = None):
+        """`ctx`: the multiprocessing context engines start from (default: spawn; many
+        engines start much faster from `harness.cluster.rank_context()`)."""
         self.specs = {s.name: s for s in specs}
+        self._ctx = ctx
         self.engines: dict[str, EngineHandle] = {}
         self._seed = 0
         self._written: dict[str, list[int]] = {}
@@ -166,7 +169,7 @@ class PushHarness:
     def start(self) -> PushHarness:
         Path(next(iter(self.specs.values())).workdir).mkdir(parents=True, exist_ok=True)
         for name, spec in self.specs.items():
-            self.engines[name] = EngineHandle(spec)
+            self.engines[name] = EngineHandle(spec, self._ctx)
         try:
             for handle in self.engines.values():
                 handle.wait_ready()
@@ -174,6 +177,25 @@ class PushHarness:
             self.stop()
             raise
         return self
+
+    def add(self, specs: list[EngineSpec]) -> None:
+        """Start more engines into a running harness (load tests bring decoders in waves)."""
+        handles = {s.name: EngineHandle(s, self._ctx) for s in specs}
+        self.specs.update({s.name: s for s in specs})
+        self.engines.update(handles)
+        for handle in handles.values():
+            handle.wait_ready()
+
+    def remove(self, names: list[str]) -> None:
+        """Stop some engines (in parallel) and forget them."""
+        handles = [self.engines.pop(n) for n in names]
+        for handle in handles:
+            handle.request_stop()
+        for handle in handles:
+            handle.finish_stop()
+        for n in names:
+            del self.specs[n]
+            self._written.pop(n, None)
 
     def stop(self) -> None:
         # Decode engines first, so nobody notifies an engine that is gone; each group
