@@ -25,7 +25,7 @@ from pathlib import Path
 
 from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
-from harness.config import FORK
+from harness.config import FORK, STOCK
 from harness.runner import LOG_DIR_ENV
 
 OURS = "connector/"
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--no-tracing", action="store_true")
+    ap.add_argument("--connector", choices=(FORK, STOCK), default=FORK,
+                    help="profile the stock connector instead (a baseline for the same stacks)")
     args = ap.parse_args(argv)
     spy = shutil.which("py-spy")
     if spy is None:
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     pushed = [0]
     try:
-        with PushHarness.pd(connector=FORK, tracing=tracing, workdir=str(out),
+        with PushHarness.pd(connector=args.connector, tracing=tracing, workdir=str(out),
                             num_blocks=2 * args.batch + 8) as h:
             assert h.push(20).ok  # warm-up: handshakes
 
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(2)  # a benchmark's ramp-up, not a synchronisation
             profiles = {n: out / f"{n}.collapsed.txt" for n in ("P", "D")}
             procs = [subprocess.Popen([spy, "record", "-p", str(h[n].info["pid"]), "-d", str(args.seconds),
-                                       "-f", "raw", "-o", str(p), "-r", "200", "--nonblocking"],
+                                       "-f", "raw", "-o", str(p), "-r", "200", "--nonblocking", "--threads"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for n, p in profiles.items()]
             for proc in procs:

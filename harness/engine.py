@@ -13,11 +13,14 @@ import contextlib
 import gc
 import hashlib
 import os
+import re
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -127,6 +130,9 @@ class Engine:
         self.failed_recving: set[str] = set()
         self.finished_sending: dict[str, float] = {}
         self.heartbeats: dict[str, Any] = {}
+        # D request id -> (prefill engine id, remote request id) while it waits for KV:
+        # like vLLM's scheduler, heartbeats name only requests still waiting.
+        self._awaiting_kv: dict[str, tuple[str, str]] = {}
         self.last_heartbeat = 0.0
         self.watched_logs: dict[str, list[str]] = {}
 
@@ -153,6 +159,7 @@ class Engine:
         now = time.perf_counter()
         for req_id in results.finished_recving:
             self.finished_recving[req_id] = now
+            self._stop_awaiting(req_id)
         self.failed_recving |= set(results.failed_recving)
         for req_id in results.finished_sending:
             self.finished_sending[req_id] = now
@@ -242,6 +249,16 @@ class Engine:
         self.pending_meta.add_new_req_to_recv(req_id, (list(block_ids),), params)
         if with_heartbeat:
             self._track_heartbeat(prefill, remote_request_id)
+            self._awaiting_kv[req_id] = (prefill["engine_id"], remote_request_id)
+
+    def _stop_awaiting(self, req_id: str) -> None:
+        """The request has its KV (or failed): heartbeats stop naming it."""
+        engine_id, remote_request_id = self._awaiting_kv.pop(req_id, (None, None))
+        info = self.heartbeats.get(engine_id)
+        if info is not None:
+            info.req_ids.discard(remote_request_id)
+            if not info.req_ids:
+                del self.heartbeats[engine_id]
 
     def _track_heartbeat(self, prefill: dict[str, Any], remote_request_id: str) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo
@@ -410,6 +427,21 @@ class Engine:
                   "_pushing", "_push_failed", "_lease_expired", "_receive_clock", "_in_flight",
                   "_lease_expired_bases", "_write_deferred_at")
         return {name: len(getattr(w, name)) for name in tables if hasattr(w, name)}
+
+    def cmd_thread_cpu(self) -> dict[str, float]:
+        """CPU seconds (user+system) of this process by thread: Python threads by name
+        (numbered suffixes dropped), every other thread (NIXL, UCX, gloo) as "native"."""
+        names = {t.native_id: re.sub(r"[_-]\d+$", "", t.name) for t in threading.enumerate()}
+        tick = os.sysconf("SC_CLK_TCK")
+        out: dict[str, float] = {}
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # the thread ended meanwhile
+            name = names.get(int(task.name), "native")
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        return out
 
     def cmd_rss(self) -> int:
         return _rss_bytes()

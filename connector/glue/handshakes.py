@@ -79,6 +79,17 @@ class _HandshakeJob:
     attempt: int = 0
 
 
+# Triggers that decide a handshake's direction and flavor whatever the caller asked:
+# D only ever sends notifications to P in push mode; P writes into D's blocks, so it
+# needs D's descriptors.
+_FLAVOR_BY_TRIGGER: dict[Trigger, tuple[Direction, bool]] = {
+    Trigger.PUSH_REG: (Direction.D_TO_P, True),
+    Trigger.HEARTBEAT: (Direction.D_TO_P, True),
+    Trigger.PUSH_WRITE: (Direction.P_TO_D, False),
+    Trigger.PUSH_REG_EARLY: (Direction.P_TO_D, False),
+}
+
+
 class TriggerScope:
     """`with` block during which this thread's handshakes are tagged with `trigger`.
 
@@ -115,12 +126,9 @@ class HandshakeFlow:
 
     def _flavor_for(self, trigger: Trigger, requested_notif_only: bool) -> tuple[Direction, bool]:
         """Direction and flavor of a handshake from what started it."""
-        if trigger in (Trigger.PUSH_REG, Trigger.HEARTBEAT):
-            # D only ever sends notifications to P in push mode.
-            return Direction.D_TO_P, True
-        if trigger in (Trigger.PUSH_WRITE, Trigger.PUSH_REG_EARLY):
-            # P writes into D's blocks: it needs D's descriptors.
-            return Direction.P_TO_D, False
+        flavor = _FLAVOR_BY_TRIGGER.get(trigger)
+        if flavor is not None:
+            return flavor
         if self._kv_role == "kv_consumer" or requested_notif_only:
             return Direction.D_TO_P, requested_notif_only
         return Direction.P_TO_D, requested_notif_only
@@ -129,9 +137,12 @@ class HandshakeFlow:
     def _ensure_handshake(self, engine_id: str, host: str, port: int, tp_size: int,
                           *args: Any, **kwargs: Any) -> Future | None:
         """Start (or join) the handshake to `engine_id`; None when already usable."""
-        tail = bind_handshake_tail(args, kwargs)
         trigger = getattr(self._trigger_local, "trigger", None) or Trigger.OTHER
-        direction, notif_only = self._flavor_for(trigger, bool(tail.get("notif_agents_only", False)))
+        # Every PUSH_REG and heartbeat asks: bind the optional arguments only when the
+        # caller's own flavor request matters (an untagged caller) or a handshake starts.
+        tail = None if trigger in _FLAVOR_BY_TRIGGER else bind_handshake_tail(args, kwargs)
+        direction, notif_only = self._flavor_for(
+            trigger, bool(tail and tail.get("notif_agents_only", False)))
         self._evict_stale_engines()
         with self._handshake_lock:
             connected = engine_id in self._remote_agents
@@ -148,6 +159,8 @@ class HandshakeFlow:
             # runs an upgrade after any queued notification-only handshake.
             upgrade = connected or pending is not None
             self._trigger_local.deferred = True
+            if tail is None:
+                tail = bind_handshake_tail(args, kwargs)
             return self._submit_handshake(engine_id, host, port, tp_size, tail, direction, trigger,
                                           notif_only=notif_only and not upgrade, upgrade=upgrade)
 
