@@ -39,6 +39,7 @@ from connector.vocabulary import (
     Attr,
     StatKey,
 )
+from demo.stack import wait_until
 from harness import PushHarness
 from harness.config import EngineSpec
 from harness.runner import EngineHandle, free_port
@@ -298,6 +299,10 @@ def test_p_to_d_handshake_retry_rides_out_a_stalled_side_channel(rig: Rig) -> No
     # D's PUSH_REG tells P where D's side channel is: point it at the proxy.
     h["D"].call("register_as", d_id, d_blocks, h["P"].address, p_id,
                 {"decode_port": proxy.port})
+    # The PUSH_REG reaches P first, so P starts its P->D handshake early (before the
+    # prefill finishes) and the WRITE joins it. Once found flaky: that early handshake
+    # was never retried, so its first stalled attempt failed the joined request.
+    wait_until(lambda: proxy.requests >= 1, 30.0, "P's early handshake to reach the proxy", step_s=0.01)
     h["P"].call("finish", p_id, p_blocks, 30.0)
 
     res = rig.results("D", lambda r: d_id in r["finished_recving"])

@@ -77,6 +77,9 @@ class _HandshakeJob:
     parent_context: Any
     deadline: float
     attempt: int = 0
+    # A WRITE joined this (early) handshake: a request now depends on it, so it is
+    # retried like a WRITE-triggered one.
+    write_waits: bool = False
 
 
 # Triggers that decide a handshake's direction and flavor whatever the caller asked:
@@ -116,7 +119,7 @@ class HandshakeFlow:
     """Mixin for `NixlPushConnectorWorker`: handshake flavor, dedup, upgrade and phases.
 
     State it expects (set by the worker's `__init__`): `_trigger_local`,
-    `_notif_only_engines`, `_pending_notif_only`, `_handshake_timeout_ms`, `_kv_role`,
+    `_notif_only_engines`, `_pending_notif_only`, `_pending_jobs`, `_handshake_timeout_ms`, `_kv_role`,
     `_spans`, `xfer_stats`, and vLLM's own handshake attributes.
     """
 
@@ -151,6 +154,10 @@ class HandshakeFlow:
             pending = self._handshake_futures.get(engine_id)
             pending_notif_only = self._pending_notif_only.get(engine_id, True)
             if pending is not None and (notif_only or not pending_notif_only):
+                if trigger is Trigger.PUSH_WRITE:
+                    job = self._pending_jobs.get(engine_id)
+                    if job is not None:
+                        job.write_waits = True
                 self._note_joined_handshake(engine_id, pending_notif_only)
                 self._trigger_local.deferred = True
                 return pending
@@ -199,6 +206,7 @@ class HandshakeFlow:
                             deadline=time.monotonic() + self._retry_policy.budget_s)
         self._handshake_futures[engine_id] = outer
         self._pending_notif_only[engine_id] = notif_only
+        self._pending_jobs[engine_id] = job
         self._start_attempt(job)
         return outer
 
@@ -227,9 +235,11 @@ class HandshakeFlow:
         exc = inner.exception()
         if exc is not None:
             # An early P->D handshake is an optimisation started by whatever a peer wrote in
-            # its PUSH_REG: it is not retried (the WRITE path retries if a request needs it),
-            # so unreachable decoders named in PUSH_REGs cannot pile retries on the executor.
-            delay = (None if job.trigger is Trigger.PUSH_REG_EARLY
+            # its PUSH_REG: it is not retried on its own, so unreachable decoders named in
+            # PUSH_REGs cannot pile retries on the executor. Once a WRITE has joined it, a
+            # request waits on it, and it is retried like the WRITE's own would be (else
+            # the early start would cost that request its retries).
+            delay = (None if job.trigger is Trigger.PUSH_REG_EARLY and not job.write_waits
                      else self._retry_policy.delay(job.attempt, record.error_type, job.deadline))
             if delay is not None:
                 logger.warning(
@@ -252,6 +262,7 @@ class HandshakeFlow:
             if self._handshake_futures.get(eid) is job.outer:
                 del self._handshake_futures[eid]
                 self._pending_notif_only.pop(eid, None)
+                self._pending_jobs.pop(eid, None)
             if exc is not None:
                 self._log_failure(failure_type="handshake_setup_failed", req_id=None,
                                   error=exc, remote_engine_id=peer_str(eid))

@@ -73,6 +73,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         # Engines connected notification-only, and the flavor of pending handshakes.
         self._notif_only_engines: set[str] = set()
         self._pending_notif_only: dict[str, bool] = {}
+        self._pending_jobs: dict[str, Any] = {}  # engine id -> its pending handshake job
         self._trigger_local = threading.local()
         obs = getattr(vllm_config, "observability_config", None)
         self._spans = SpanEmitter(resolve_tracer(getattr(obs, "otlp_traces_endpoint", None)))
