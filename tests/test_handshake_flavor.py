@@ -34,7 +34,6 @@ def bare_worker(kv_role="kv_both"):
     w._remote_agents = RemoteAgentTable()
     w._notif_only_engines = set()
     w._handshake_futures = {}
-    w._pending_notif_only = {}
     w._pending_jobs = {}
     w._spans = SpanEmitter(None)
     w.tp_rank, w.engine_id = 0, "me"

@@ -119,7 +119,7 @@ class HandshakeFlow:
     """Mixin for `NixlPushConnectorWorker`: handshake flavor, dedup, upgrade and phases.
 
     State it expects (set by the worker's `__init__`): `_trigger_local`,
-    `_notif_only_engines`, `_pending_notif_only`, `_pending_jobs`, `_handshake_timeout_ms`, `_kv_role`,
+    `_notif_only_engines`, `_pending_jobs`, `_handshake_timeout_ms`, `_kv_role`,
     `_spans`, `xfer_stats`, and vLLM's own handshake attributes.
     """
 
@@ -152,12 +152,11 @@ class HandshakeFlow:
             if connected and (notif_only or engine_id not in self._notif_only_engines):
                 return None
             pending = self._handshake_futures.get(engine_id)
-            pending_notif_only = self._pending_notif_only.get(engine_id, True)
+            job = self._pending_jobs.get(engine_id)
+            pending_notif_only = job.notif_only if job is not None else True
             if pending is not None and (notif_only or not pending_notif_only):
-                if trigger is Trigger.PUSH_WRITE:
-                    job = self._pending_jobs.get(engine_id)
-                    if job is not None:
-                        job.write_waits = True
+                if trigger is Trigger.PUSH_WRITE and job is not None:
+                    job.write_waits = True
                 self._note_joined_handshake(engine_id, pending_notif_only)
                 self._trigger_local.deferred = True
                 return pending
@@ -205,7 +204,6 @@ class HandshakeFlow:
                             parent_context=otel_context.get_current() if self._spans.enabled else None,
                             deadline=time.monotonic() + self._retry_policy.budget_s)
         self._handshake_futures[engine_id] = outer
-        self._pending_notif_only[engine_id] = notif_only
         self._pending_jobs[engine_id] = job
         self._start_attempt(job)
         return outer
@@ -261,7 +259,6 @@ class HandshakeFlow:
         with self._handshake_lock:
             if self._handshake_futures.get(eid) is job.outer:
                 del self._handshake_futures[eid]
-                self._pending_notif_only.pop(eid, None)
                 self._pending_jobs.pop(eid, None)
             if exc is not None:
                 self._log_failure(failure_type="handshake_setup_failed", req_id=None,

@@ -70,10 +70,10 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         self.xfer_stats = ObservedNixlStats()
         self.nixl_wrapper = NixlAgentProbe(self.nixl_wrapper)
         self._remote_agents = RemoteAgentTable(self._remote_agents)
-        # Engines connected notification-only, and the flavor of pending handshakes.
+        # Engines connected notification-only, and the pending handshake job per engine
+        # (its flavor, and whether a WRITE waits on it).
         self._notif_only_engines: set[str] = set()
-        self._pending_notif_only: dict[str, bool] = {}
-        self._pending_jobs: dict[str, Any] = {}  # engine id -> its pending handshake job
+        self._pending_jobs: dict[str, Any] = {}
         self._trigger_local = threading.local()
         obs = getattr(vllm_config, "observability_config", None)
         self._spans = SpanEmitter(resolve_tracer(getattr(obs, "otlp_traces_endpoint", None)))
