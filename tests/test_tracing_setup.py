@@ -86,3 +86,70 @@ def test_a_failing_tracer_never_raises_into_the_caller():
     r.finish(RuntimeError("x"))
     emitter.emit_handshake(r)  # swallowed and logged at DEBUG
     assert emitter.start("nixl.push.write") is None
+
+
+def _sampled_provider(ratio: float):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBasedTraceIdRatio(ratio))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def _sampled_flag(carrier: dict[str, str]) -> int:
+    return int(carrier["traceparent"].rsplit("-", 1)[1], 16) & 1
+
+
+class CountingTracer:
+    """Passes calls to a real tracer, counting them."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def start_span(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.start_span(*args, **kwargs)
+
+
+def test_a_dropped_request_travels_as_dropped_and_its_children_skip_the_sdk():
+    d_provider, d_spans = _sampled_provider(0.0)  # D's sampler drops every root
+    p_provider, p_spans = _sampled_provider(1.0)  # P's would keep every root it decides on
+    d_tracer = CountingTracer(d_provider.get_tracer("d"))
+    p_tracer = CountingTracer(p_provider.get_tracer("p"))
+    d, p = SpanEmitter(d_tracer), SpanEmitter(p_tracer)
+
+    receive = d.start("nixl.push.receive")
+    assert not receive.is_recording() and d_tracer.calls == 1
+    register = d.start("nixl.push.register", parent=receive)
+    assert not register.is_recording() and d_tracer.calls == 1  # no SDK call for the child
+    carrier = inject_context(register)
+    assert _sampled_flag(carrier) == 0  # "not sampled" travels to P
+
+    write = p.start("nixl.push.write", parent=extract_context(carrier))
+    assert not write.is_recording() and p_tracer.calls == 0  # P follows D's decision
+    assert write.get_span_context().trace_id == receive.get_span_context().trace_id
+    SpanEmitter.end(write)
+    SpanEmitter.end(register)
+    SpanEmitter.end(receive)
+    assert d_spans.get_finished_spans() == () and p_spans.get_finished_spans() == ()
+
+
+def test_a_sampled_request_is_recorded_on_both_sides():
+    d_provider, d_spans = _sampled_provider(1.0)
+    p_provider, p_spans = _sampled_provider(0.0)  # P's own roots would be dropped
+    d, p = SpanEmitter(d_provider.get_tracer("d")), SpanEmitter(p_provider.get_tracer("p"))
+    receive = d.start("nixl.push.receive")
+    register = d.start("nixl.push.register", parent=receive)
+    carrier = inject_context(register)
+    assert _sampled_flag(carrier) == 1
+    write = p.start("nixl.push.write", parent=extract_context(carrier))
+    assert write.is_recording()  # parent-based: D's decision wins
+    for span in (write, register, receive):
+        SpanEmitter.end(span)
+    (written,) = p_spans.get_finished_spans()
+    assert written.parent.span_id == register.get_span_context().span_id
+    assert len(d_spans.get_finished_spans()) == 2

@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 _PUSH_REG_PREFIX = b"PUSH_REG:"
 _XFER_BLOCKS_SIG = inspect.signature(NixlPushConnectorWorker._xfer_blocks)
+# Where `request_id` sits among the positional arguments after self (the WRITE path
+# passes it positionally; binding the whole signature per WRITE cost ~5 us).
+_XFER_REQ_ID_POS = list(_XFER_BLOCKS_SIG.parameters).index("request_id") - 1
 
 
 def parse_push_reg(notif: bytes) -> tuple[dict[str, Any] | None, tuple[PushRegRejection, str] | None]:
@@ -150,6 +153,8 @@ class PushFlow:
 
     def _has_finished_blocks_for(self, d_request_id: str) -> bool:
         """P: finished blocks wait for this PUSH_REG (vLLM matches by base request id)."""
+        if d_request_id in self._push_finished_blocks:
+            return True
         base = get_base_request_id(d_request_id)
         return any(get_base_request_id(rid) == base for rid in list(self._push_finished_blocks))
 
@@ -273,7 +278,12 @@ class PushFlow:
         # the handle must reach the caller or the request waits for its lease.
         if handle is not None:
             try:
-                req_id = _XFER_BLOCKS_SIG.bind(self, *args, **kwargs).arguments["request_id"]
+                if "request_id" in kwargs:
+                    req_id = kwargs["request_id"]
+                elif len(args) > _XFER_REQ_ID_POS:
+                    req_id = args[_XFER_REQ_ID_POS]
+                else:
+                    req_id = _XFER_BLOCKS_SIG.bind(self, *args, **kwargs).arguments["request_id"]
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
             else:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -62,9 +62,9 @@ def make_span_exporter(endpoint: str) -> Any:
     """OTLP exporter for `endpoint` with the protocol the environment asks for."""
     protocol = _protocol()
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from connector.telemetry.otlp_export import WireGrpcSpanExporter
 
-        return OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https"))
+        return WireGrpcSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https"))
     if protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -160,9 +160,13 @@ def install_provider(exporter: Any) -> Any:
 
 
 def inject_context(span: Any) -> dict[str, str]:
-    """W3C trace-context carrier for `span` (empty when not recording)."""
+    """W3C trace-context carrier for `span` (empty for none or an invalid one).
+
+    A span the sampler dropped is carried too (flags 00): the peer then drops its
+    spans of this request instead of deciding afresh, and skips creating them.
+    """
     carrier: dict[str, str] = {}
-    if span is None or not span.is_recording():
+    if span is None or not span.get_span_context().is_valid:
         return carrier
     try:
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
@@ -245,30 +249,33 @@ def peer_str(value: Any) -> str:
     return text[:MAX_PEER_STRING]
 
 
-@contextmanager
-def activated(span: Any) -> Iterator[None]:
+class _Attached:
+    """Makes a context current on this thread for a `with` block."""
+
+    __slots__ = ("_ctx", "_token")
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+
+    def __enter__(self) -> None:
+        self._token = otel_context.attach(self._ctx)
+
+    def __exit__(self, *exc: object) -> None:
+        otel_context.detach(self._token)
+
+
+# Shared by every untraced call: the push path enters one per WRITE and PUSH_REG.
+_NOTHING = nullcontext()
+
+
+def activated(span: Any) -> AbstractContextManager[None]:
     """Make `span` current on this thread for the duration (no-op for None)."""
-    if span is None:
-        yield
-        return
-    token = otel_context.attach(trace.set_span_in_context(span))
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
+    return _NOTHING if span is None else _Attached(trace.set_span_in_context(span))
 
 
-@contextmanager
-def activated_context(ctx: Any) -> Iterator[None]:
+def activated_context(ctx: Any) -> AbstractContextManager[None]:
     """Make an extracted context current on this thread (no-op for None)."""
-    if ctx is None:
-        yield
-        return
-    token = otel_context.attach(ctx)
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
+    return _NOTHING if ctx is None else _Attached(ctx)
 
 
 class SpanEmitter:
@@ -285,15 +292,24 @@ class SpanEmitter:
               kind: SpanKind = SpanKind.INTERNAL, links: list[Link] | None = None) -> Any:
         """Start a span as a child of `parent` (a span or a context).
 
-        A None parent makes a root span (never the thread's current span).
+        A None parent makes a root span (never the thread's current span). A parent
+        the sampler dropped gives a non-recording span at no SDK cost.
         """
         if self.tracer is None:
             return None
         try:
             if parent is None:
                 parent = otel_context.Context()
-            elif not isinstance(parent, otel_context.Context):
-                parent = trace.set_span_in_context(parent)
+            else:
+                if isinstance(parent, otel_context.Context):
+                    span_context = trace.get_current_span(parent).get_span_context()
+                else:
+                    span_context = parent.get_span_context()
+                    parent = trace.set_span_in_context(parent)
+                if span_context.is_valid and not span_context.trace_flags.sampled:
+                    # The sampler dropped the parent, so it drops this child (every SDK
+                    # sampler decides per trace or follows the parent): skip the SDK.
+                    return trace.NonRecordingSpan(span_context)
             return self.tracer.start_span(name, context=parent, kind=kind,
                                           attributes=dict(attributes or {}), links=links)
         except Exception as exc:

@@ -6,6 +6,7 @@ in the same shape as `connector.testing.spans.span_to_dict`.
 
 from __future__ import annotations
 
+import collections
 import gzip
 import threading
 import time
@@ -62,6 +63,7 @@ class _Store:
         self.lock = threading.Lock()
         self.spans: list[dict[str, Any]] = []
         self.requests = 0
+        self.last_requests: collections.deque[Any] = collections.deque(maxlen=64)  # as received
         self.attempts = 0
         self.in_progress = 0
         self.delay_s = delay_s
@@ -84,6 +86,7 @@ class _Store:
         spans = decode_request(request)
         with self.lock:
             self.requests += 1
+            self.last_requests.append(request)
             self.spans.extend(spans)
 
     def snapshot(self) -> list[dict[str, Any]]:
