@@ -18,6 +18,7 @@ import collections
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connector", choices=(FORK, STOCK), default=FORK,
                     help="profile the stock connector instead (a baseline for the same stacks)")
     args = ap.parse_args(argv)
-    spy = shutil.which("py-spy")
+    # The venv's own script directory first: the benchmark may run without the venv on PATH.
+    search = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    spy = shutil.which("py-spy", path=search)
     if spy is None:
         raise SystemExit("py-spy is not installed: pip install py-spy")
     out = Path(tempfile.mkdtemp(prefix="profile-push-"))

@@ -178,7 +178,10 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         # Optional batch-processor bounds and exporter timeout (back-end fault tests).
         for key, var in (("max_queue_size", "OTEL_BSP_MAX_QUEUE_SIZE"),
                          ("max_export_batch_size", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"),
-                         ("export_timeout_s", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")):
+                         ("export_timeout_s", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"),
+                         # A sampler other than always-on (benchmarks.cpu_cost's ratio variant).
+                         ("sampler", "OTEL_TRACES_SAMPLER"),
+                         ("sampler_arg", "OTEL_TRACES_SAMPLER_ARG")):
             if key in spec.tracing:
                 env[var] = str(spec.tracing[key])
     return env

@@ -420,27 +420,41 @@ class Engine:
 
         return ledger()
 
-    def cmd_state_sizes(self) -> dict[str, int]:
-        """Entries in the fork worker's per-request telemetry state (empty for stock)."""
+    def cmd_state_sizes(self, upstream: bool = False) -> dict[str, int]:
+        """Entries in the fork worker's per-request telemetry state (empty for stock);
+        with `upstream`, vLLM's own per-request tables instead (stock and fork)."""
         w = self.worker
         tables = ("_write_spans", "_receive_spans", "_register_spans", "_request_contexts",
                   "_pushing", "_push_failed", "_lease_expired", "_receive_clock", "_in_flight",
                   "_lease_expired_bases", "_write_deferred_at")
+        if upstream:
+            tables = ("_recving_transfers", "_recving_metadata", "_reqs_to_send", "_reqs_to_process",
+                      "consumer_notification_counts_by_req", "_push_finished_blocks",
+                      "_pending_d_registrations", "_engine_last_active", "_sending_transfers")
         return {name: len(getattr(w, name)) for name in tables if hasattr(w, name)}
 
     def cmd_thread_cpu(self) -> dict[str, float]:
-        """CPU seconds (user+system) of this process by thread: Python threads by name
-        (numbered suffixes dropped), every other thread (NIXL, UCX, gloo) as "native"."""
+        """CPU seconds of this process by thread: Python threads by name (numbered
+        suffixes dropped), every other thread (NIXL, UCX, gloo) as "native".
+
+        Read from the scheduler's per-thread run time (`schedstat`, nanoseconds); the
+        user+system ticks of `stat` (10 ms) are the fallback. At 10 ms a 400-request
+        round resolved 25 us per request, the size of the differences measured.
+        """
         names = {t.native_id: re.sub(r"[_-]\d+$", "", t.name) for t in threading.enumerate()}
         tick = os.sysconf("SC_CLK_TCK")
         out: dict[str, float] = {}
         for task in Path("/proc/self/task").iterdir():
             try:
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # the thread ended meanwhile
+                seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                try:
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue  # the thread ended meanwhile
+                seconds = (int(fields[11]) + int(fields[12])) / tick
             name = names.get(int(task.name), "native")
-            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            out[name] = out.get(name, 0.0) + seconds
         return out
 
     def cmd_rss(self) -> int:
@@ -551,6 +565,12 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
 
             install_provider(RaisingExporter())
         engine = Engine(spec)
+        # Like vLLM's engine core after start-up: the start-up heap (torch, vLLM, NIXL)
+        # is frozen, so a full collection does not walk it. Without this every full
+        # collection stalled a thread for ~300 ms, about once per 1,000 requests.
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()
     except BaseException as exc:  # report why, instead of a silent dead child
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
