@@ -187,3 +187,8 @@ def test_every_request_lands_and_every_count_reconciles(load: LoadRun) -> None:
     # Nothing per-request is left behind in P's worker.
     sizes = h["P"].call("state_sizes")
     assert sizes and not any(sizes.values()), sizes
+    # Nor in vLLM's own per-request tables (the engine table keeps departed decoders
+    # until vLLM's engine TTL evicts them).
+    upstream = h["P"].call("state_sizes", True)
+    upstream.pop("_engine_last_active")
+    assert upstream and not any(upstream.values()), upstream
