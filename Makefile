@@ -112,6 +112,7 @@ bench: setup
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.run
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.first_request
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.cpu_cost
+	$(PY) -m benchmarks.otlp_encode
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.scale --out .cache/bench
 
 clean:

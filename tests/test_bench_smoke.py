@@ -22,3 +22,11 @@ def test_scale_smoke_writes_json_and_png(tmp_path, monkeypatch):
     assert [r["producers"] for r in result["producers"]] == scale.SMOKE_PRODUCERS
     assert (tmp_path / "scale-smoke.png").stat().st_size > 0
     assert list((tmp_path / "logs").glob("*.log"))  # engine output went to files
+
+
+def test_otlp_encode_benchmark_runs_and_compares_like_with_like():
+    from benchmarks import otlp_encode
+
+    result = otlp_encode.otlp_encode_bench(repeats=1)  # asserts both encoders agree first
+    assert set(result) == {"write", "handshake"}
+    assert all(r["sdk_us"] > 0 and r["ours_us"] > 0 for r in result.values())
