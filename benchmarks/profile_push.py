@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--no-tracing", action="store_true")
+    ap.add_argument("--sampler", default=None,
+                    help="OTEL_TRACES_SAMPLER for the engines, e.g. parentbased_always_off")
+    ap.add_argument("--gil", action="store_true",
+                    help="sample only the thread holding the GIL (Python CPU, not waits)")
     ap.add_argument("--connector", choices=(FORK, STOCK), default=FORK,
                     help="profile the stock connector instead (a baseline for the same stacks)")
     args = ap.parse_args(argv)
@@ -76,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine logs and profiles: {out}", flush=True)
     rx = None if args.no_tracing else OtlpGrpcReceiver()
     tracing = None if rx is None else {"endpoint": rx.endpoint, "protocol": "grpc"}
+    if tracing is not None and args.sampler:
+        tracing["sampler"] = args.sampler
     stop = threading.Event()
     pushed = [0]
     try:
@@ -95,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(2)  # a benchmark's ramp-up, not a synchronisation
             profiles = {n: out / f"{n}.collapsed.txt" for n in ("P", "D")}
             procs = [subprocess.Popen([spy, "record", "-p", str(h[n].info["pid"]), "-d", str(args.seconds),
-                                       "-f", "raw", "-o", str(p), "-r", "200", "--nonblocking", "--threads"],
+                                       "-f", "raw", "-o", str(p), "-r", "200", "--nonblocking", "--threads"]
+                                      + (["--gil"] if args.gil else []),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for n, p in profiles.items()]
             for proc in procs:

@@ -153,3 +153,42 @@ def test_a_sampled_request_is_recorded_on_both_sides():
     (written,) = p_spans.get_finished_spans()
     assert written.parent.span_id == register.get_span_context().span_id
     assert len(d_spans.get_finished_spans()) == 2
+
+
+@pytest.mark.parametrize("traceparent", [
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-03",
+    "00-0AF7651916CD43DD8448EB211C80319C-B7AD6B7169203331-01",  # upper case: the SDK's call
+    "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",  # a later version
+    "00-00000000000000000000000000000000-b7ad6b7169203331-01",  # invalid ids
+    "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b71692033zz-01",
+    "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+])
+def test_our_traceparent_reading_agrees_with_the_sdk_propagator(traceparent):
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    ours = extract_context({"traceparent": traceparent})
+    sdk = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
+    sdk_context = trace.get_current_span(sdk).get_span_context()
+    if not sdk_context.is_valid:
+        assert ours is None
+        return
+    got = trace.get_current_span(ours).get_span_context()
+    assert (got.trace_id, got.span_id, got.trace_flags, got.is_remote) == (
+        sdk_context.trace_id, sdk_context.span_id, sdk_context.trace_flags, sdk_context.is_remote)
+
+
+def test_our_traceparent_writing_agrees_with_the_sdk_propagator():
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    for flags in (0, 1, 2, 3):
+        for state in (None, TraceState([("vendor", "v1")])):
+            span = NonRecordingSpan(SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331,
+                                                is_remote=False, trace_flags=TraceFlags(flags),
+                                                trace_state=state))
+            sdk: dict[str, str] = {}
+            TraceContextTextMapPropagator().inject(sdk, context=trace.set_span_in_context(span))
+            assert inject_context(span) == sdk

@@ -203,12 +203,12 @@ class PushFlow:
                 span = self._spans.start(
                     SPAN_PUSH_WRITE, parent=parent, links=links,
                     kind=SpanKind.CONSUMER,
-                    attributes={Attr.REQUEST_ID: request_id,
-                                Attr.REMOTE_REQUEST_ID: peer_str(registration_data.get("request_id", "")),
-                                Attr.REMOTE_ENGINE_ID: peer_str(
-                                    registration_data.get("decode_engine_id", "")),
-                                Attr.LOCAL_ENGINE_ID: self.engine_id,
-                                Attr.NUM_BLOCKS: count_blocks(local_block_ids)})
+                    attributes=lambda: {  # built only for a span the sampler may keep
+                        Attr.REQUEST_ID: request_id,
+                        Attr.REMOTE_REQUEST_ID: peer_str(registration_data.get("request_id", "")),
+                        Attr.REMOTE_ENGINE_ID: peer_str(registration_data.get("decode_engine_id", "")),
+                        Attr.LOCAL_ENGINE_ID: self.engine_id,
+                        Attr.NUM_BLOCKS: count_blocks(local_block_ids)})
                 self._write_spans.put(request_id, span)
         self._trigger_local.deferred = False
         # Before the WRITE is posted: once it is, P's main thread may end the span at any time.

@@ -102,10 +102,11 @@ class ReceiveFlow:
             span = self._spans.start(
                 SPAN_PUSH_REGISTER, parent=self._receive_spans.get(req_id),
                 kind=SpanKind.PRODUCER,
-                attributes={Attr.REQUEST_ID: req_id,
-                            Attr.REMOTE_ENGINE_ID: peer_str(reg_data.get("remote_engine_id", "")),
-                            Attr.SERVER_ADDRESS: peer_str(reg_data.get("remote_host", "")),
-                            Attr.SERVER_PORT: port if type(port) is int else 0})
+                attributes=lambda: {  # built only for a span the sampler may keep
+                    Attr.REQUEST_ID: req_id,
+                    Attr.REMOTE_ENGINE_ID: peer_str(reg_data.get("remote_engine_id", "")),
+                    Attr.SERVER_ADDRESS: peer_str(reg_data.get("remote_host", "")),
+                    Attr.SERVER_PORT: port if type(port) is int else 0})
             self._register_spans.put(req_id, span)
         if PUSH_REG_TRACE_KEY not in reg_data:
             carrier = inject_context(span)

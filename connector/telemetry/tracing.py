@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -159,16 +159,47 @@ def install_provider(exporter: Any) -> Any:
     return _own_provider
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def _traceparent(span_context: Any) -> str:
+    """W3C `traceparent` (version 00) of a span context."""
+    return (f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-"
+            f"{int(span_context.trace_flags):02x}")
+
+
+def _parse_traceparent(value: str) -> Any:
+    """A remote span context from a version-00 `traceparent`, else None (the SDK's
+    propagator then parses it, and rejects what is malformed)."""
+    if len(value) != 55 or value[:3] != "00-" or value[35] != "-" or value[52] != "-":
+        return None
+    trace_hex, span_hex, flags_hex = value[3:35], value[36:52], value[53:]
+    if not _HEX.issuperset(trace_hex) or not _HEX.issuperset(span_hex) or not _HEX.issuperset(flags_hex):
+        return None
+    trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
+    if trace_id == INVALID_TRACE_ID or span_id == INVALID_SPAN_ID:
+        return None
+    return trace.SpanContext(trace_id, span_id, is_remote=True,
+                             trace_flags=trace.TraceFlags(int(flags_hex, 16)))
+
+
 def inject_context(span: Any) -> dict[str, str]:
     """W3C trace-context carrier for `span` (empty for none or an invalid one).
 
-    A span the sampler dropped is carried too (flags 00): the peer then drops its
-    spans of this request instead of deciding afresh, and skips creating them.
+    A span the sampler dropped is carried too (flags without the sampled bit): the
+    peer then drops its spans of this request instead of deciding afresh, and skips
+    creating them.
     """
     carrier: dict[str, str] = {}
-    if span is None or not span.get_span_context().is_valid:
+    if span is None:
         return carrier
     try:
+        span_context = span.get_span_context()
+        if not span_context.is_valid:
+            return carrier
+        if not span_context.trace_state:
+            carrier["traceparent"] = _traceparent(span_context)  # the common case, without a Context
+            return carrier
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
     except Exception as exc:
         errors.note(TelemetryError.SPAN, exc)
@@ -190,6 +221,10 @@ def extract_context(carrier: Any) -> Any:
         if "traceparent" not in clean:
             errors.note(TelemetryError.TRACE_CONTEXT, "no usable traceparent", exc_info=False)
             return None
+        if "tracestate" not in clean:
+            span_context = _parse_traceparent(clean["traceparent"])
+            if span_context is not None:  # the common case, without the propagator's regex
+                return trace.set_span_in_context(trace.NonRecordingSpan(span_context))
         ctx = _PROPAGATOR.extract(clean)
         if trace.get_current_span(ctx).get_span_context().is_valid:
             return ctx
@@ -288,12 +323,14 @@ class SpanEmitter:
     def enabled(self) -> bool:
         return self.tracer is not None
 
-    def start(self, name: str, parent: Any = None, attributes: Mapping[str, Any] | None = None,
+    def start(self, name: str, parent: Any = None,
+              attributes: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
               kind: SpanKind = SpanKind.INTERNAL, links: list[Link] | None = None) -> Any:
         """Start a span as a child of `parent` (a span or a context).
 
         A None parent makes a root span (never the thread's current span). A parent
-        the sampler dropped gives a non-recording span at no SDK cost.
+        the sampler dropped gives a non-recording span at no SDK cost; `attributes`
+        may be a function, called only when the SDK is asked.
         """
         if self.tracer is None:
             return None
@@ -310,6 +347,8 @@ class SpanEmitter:
                     # The sampler dropped the parent, so it drops this child (every SDK
                     # sampler decides per trace or follows the parent): skip the SDK.
                     return trace.NonRecordingSpan(span_context)
+            if callable(attributes):
+                attributes = attributes()
             return self.tracer.start_span(name, context=parent, kind=kind,
                                           attributes=dict(attributes or {}), links=links)
         except Exception as exc:
