@@ -303,15 +303,14 @@ class Engine:
             contexts[req_id] = carrier
             attach_request_contexts(meta, contexts)
 
-    def cmd_results_for(self, req_ids: list[str]) -> dict[str, Any]:
-        """`cmd_results` for these requests only: what `push` polls for. The full
-        tables grow with every request of a run, and answering them every 10 ms
-        cost the engine more CPU per request the longer a benchmark ran."""
-        return {"finished_recving": {r: self.finished_recving[r] for r in req_ids
-                                     if r in self.finished_recving},
-                "failed_recving": [r for r in req_ids if r in self.failed_recving]}
-
-    def cmd_results(self) -> dict[str, Any]:
+    def cmd_results(self, req_ids: list[str] | None = None) -> dict[str, Any]:
+        """Finished and failed transfers; with `req_ids`, the receives of those requests
+        only (what `push` polls: the full tables grow with every request of a run, and
+        answering them every 10 ms cost more CPU per request the longer a run lasted)."""
+        if req_ids is not None:
+            return {"finished_recving": {r: self.finished_recving[r] for r in req_ids
+                                         if r in self.finished_recving},
+                    "failed_recving": [r for r in req_ids if r in self.failed_recving]}
         return {"finished_recving": dict(self.finished_recving),
                 "failed_recving": sorted(self.failed_recving),
                 "finished_sending": dict(self.finished_sending)}

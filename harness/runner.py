@@ -253,7 +253,7 @@ class PushHarness:
         deadline = time.monotonic() + timeout_s
         results: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            results = d.call("results_for", sorted(d_ids))
+            results = d.call("results", sorted(d_ids))
             if d_ids <= set(results["finished_recving"]):
                 break
             time.sleep(0.01)

@@ -100,6 +100,13 @@ def _valid_block_ids(block_ids: Any) -> bool:
                for g in groups)
 
 
+def _decoder_context(reg: dict[str, Any]) -> Any:
+    """The trace context D's PUSH_REG carries: its register span's, else the request's
+    own context from D's scheduler; None without either."""
+    return (extract_context(reg.get(PUSH_REG_TRACE_KEY))
+            or extract_context(reg.get(REGISTRATION_TRACE_KEY)))
+
+
 class PushFlow:
     """Mixin for `NixlPushConnectorWorker`: the prefill side of a push."""
 
@@ -125,8 +132,7 @@ class PushFlow:
         not already the parent.
         """
         own = extract_context(self._request_contexts.pop(request_id))
-        parent = (extract_context(registration_data.get(PUSH_REG_TRACE_KEY))
-                  or extract_context(registration_data.get(REGISTRATION_TRACE_KEY)))
+        parent = _decoder_context(registration_data)
         if parent is None:
             return own, None
         link = context_link(own, {Attr.LINK_ROLE: LinkRole.PREFILL_REQUEST.value})
@@ -170,8 +176,7 @@ class PushFlow:
         """
         try:
             # Its span sits in the request's trace, under D's register span.
-            parent = (extract_context(reg.get(PUSH_REG_TRACE_KEY))
-                      or extract_context(reg.get(REGISTRATION_TRACE_KEY))) if self._spans.enabled else None
+            parent = _decoder_context(reg) if self._spans.enabled else None
             with activated_context(parent), self._triggered_by(Trigger.PUSH_REG_EARLY):
                 self._ensure_handshake(reg["decode_engine_id"], reg["decode_host"],
                                        reg["decode_port"], reg["decode_tp_size"])

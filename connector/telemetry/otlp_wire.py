@@ -133,8 +133,6 @@ def _flags(context: Any) -> bytes:
 
 def _status(status: Any) -> bytes:
     """Status payload (present on every span, empty when unset)."""
-    if status is None:
-        return b""
     out = b""
     if status.description:
         out += _field(b"\x12", status.description.encode("utf-8"))
