@@ -54,10 +54,14 @@ class SpanTable:
             SpanEmitter.end(old, error_type="abandoned", message="telemetry table full")
 
     def get(self, req_id: str) -> Any:
+        if not self._spans:  # tracing off: always empty, no lock per request
+            return None
         with self._lock:
             return self._spans.get(req_id)
 
     def pop(self, req_id: str) -> Any:
+        if not self._spans:
+            return None
         with self._lock:
             return self._spans.pop(req_id, None)
 

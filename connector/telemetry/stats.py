@@ -14,7 +14,6 @@ attribute: the stats object is pickled between processes.)
 
 from __future__ import annotations
 
-import copy
 import threading
 from typing import Any
 
@@ -25,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 from connector.telemetry.record import HandshakeRecord
 from connector.vocabulary import OUR_STAT_KEYS, StatKey
 
-_LOCK = threading.RLock()
+_LOCK = threading.Lock()
 
 
 class ObservedNixlStats(NixlKVConnectorStats):
@@ -46,14 +45,20 @@ class ObservedNixlStats(NixlKVConnectorStats):
 
     def reset(self) -> None:
         with _LOCK:
-            super().reset()  # binds a new dict; the old one belongs to the clone
-            self.data.update({key: [] for key in OUR_STAT_KEYS})
-            self._has_ours = False
+            self._reset()
+
+    def _reset(self) -> None:
+        super().reset()  # binds a new dict; the old one belongs to the clone
+        # Our keys are added as records arrive (`setdefault`); readers use `.get`.
+        self._has_ours = False
 
     def clone_and_reset(self) -> ObservedNixlStats:
+        # vLLM asks every step that has records; `copy.copy` went through the pickle
+        # protocol each time. A shallow copy of the fields is all it did.
+        old = object.__new__(type(self))
         with _LOCK:
-            old = copy.copy(self)
-            self.reset()
+            old.__dict__.update(self.__dict__)
+            self._reset()
         return old
 
     # -- recording (writer, handshake and main threads) ---------------------

@@ -25,6 +25,7 @@ from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link, SpanKin
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector.telemetry import errors
+from connector.telemetry.lean_span import LeanTracer, lean_spans_wanted
 from connector.telemetry.record import HandshakeRecord
 from connector.vocabulary import (
     MAX_PEER_STRING,
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
 _setup_lock = threading.Lock()
 _own_provider: Any = None
+_own_processor: Any = None
 
 
 def _env_endpoint() -> str | None:
@@ -121,6 +123,8 @@ def resolve_tracer(otlp_traces_endpoint: str | None = None) -> trace.Tracer | No
     from opentelemetry.sdk.trace import TracerProvider
 
     installed = trace.get_tracer_provider()
+    if installed is _own_provider and installed is not None:
+        return own_tracer(_own_provider, _own_processor)
     if isinstance(installed, TracerProvider):
         use_os_entropy(installed)
         return installed.get_tracer(TRACER_NAME)
@@ -130,7 +134,17 @@ def resolve_tracer(otlp_traces_endpoint: str | None = None) -> trace.Tracer | No
     with _setup_lock:
         if _own_provider is None:
             install_provider(make_span_exporter(endpoint))
-        return _own_provider.get_tracer(TRACER_NAME)
+        return own_tracer(_own_provider, _own_processor)
+
+
+def own_tracer(provider: Any, processor: Any) -> Any:
+    """Lean spans on the provider we installed while our batch processor is its only
+    one (`lean_span.py`); the SDK's tracer otherwise."""
+    if processor is not None and lean_spans_wanted():
+        tracer = LeanTracer(provider, processor, TRACER_NAME)
+        if tracer.is_current():
+            return tracer
+    return provider.get_tracer(TRACER_NAME)
 
 
 def install_provider(exporter: Any) -> Any:
@@ -140,7 +154,7 @@ def install_provider(exporter: Any) -> Any:
     `spans_dropped`), a failing or raising exporter is counted per span
     (`span_export_failed`); neither ever reaches the thread that ended the span.
     """
-    global _own_provider
+    global _own_provider, _own_processor
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
@@ -151,11 +165,13 @@ def install_provider(exporter: Any) -> Any:
          "vllm.process_id": str(os.getpid())}
     )
     provider = TracerProvider(resource=resource, id_generator=OsRandomIdGenerator())
-    provider.add_span_processor(CountingBatchSpanProcessor(CountingExporter(exporter)))
+    processor = CountingBatchSpanProcessor(CountingExporter(exporter))
+    provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
     _own_provider = trace.get_tracer_provider()
     if not isinstance(_own_provider, TracerProvider):  # someone else won
         _own_provider = provider
+    _own_processor = processor if _own_provider is provider else None
     return _own_provider
 
 

@@ -1,0 +1,223 @@
+"""Spans for our own tracer provider, without the SDK's per-span machinery.
+
+Profiles of a P/D pair with every request sampled showed the SDK's `start_span` and
+`Span.end` (bounded attribute and event containers, a lock and a processor fan-out
+per span, the span's own metrics) as the largest part of what tracing costs the
+writer and engine threads, and the exporter thread copying each span's attributes,
+events and links again through `ReadableSpan`'s properties.
+
+On the provider we install ourselves (OTLP endpoint, our batch processor, nothing
+else) our spans are these instead: the same sampler decides (the provider's,
+`OTEL_TRACES_SAMPLER`), the same id generator names them, the same batch processor
+queues and exports them, and the span limits of `OTEL_SPAN_ATTRIBUTE_*` still
+apply. A `LeanSpan` answers the OTel span API on the recording side and the
+`ReadableSpan` properties exporters read, so the SDK's own OTLP encoder accepts it
+too (our fallback when our encoder fails).
+
+Not used on a provider vLLM or the user installed, or on ours once it has another
+span processor: those get the SDK's own spans, exactly as before.
+`NIXL_PUSH_OBSERVED_LEAN_SPANS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import Event, SpanLimits
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+logger = logging.getLogger(__name__)
+
+LEAN_SPANS_ENV = "NIXL_PUSH_OBSERVED_LEAN_SPANS"
+
+# Setters and `end` of every lean span: attributes may be set on one thread while
+# another ends the span; nothing may change once the exporter can see it.
+_LOCK = threading.Lock()
+_UNSET = Status(StatusCode.UNSET)
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+_RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C level 2 flag, newer SDKs only
+
+
+def lean_spans_wanted() -> bool:
+    return os.environ.get(LEAN_SPANS_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+class LeanTracer:
+    """`start_span` for one SDK provider whose only processor is `processor`."""
+
+    def __init__(self, provider: Any, processor: Any, name: str, version: str | None = None):
+        self._provider = provider
+        self._processor = processor
+        self._sampler = provider.sampler
+        self._ids = provider.id_generator
+        self._random_ids = bool(getattr(self._ids, "is_trace_id_random", lambda: False)())
+        self.resource = provider.resource
+        self.instrumentation_scope = InstrumentationScope(name, version)
+        limits = SpanLimits()  # reads OTEL_SPAN_ATTRIBUTE_* / OTEL_ATTRIBUTE_* as the SDK does
+        self.max_attributes = limits.max_span_attributes
+        self.max_value_length = limits.max_span_attribute_length
+
+    def is_current(self) -> bool:
+        """Still the provider's only processor (else SDK spans, which reach them all)."""
+        try:
+            return tuple(self._provider._active_span_processor._span_processors) == (self._processor,)
+        except Exception:
+            return False
+
+    def start_span(self, name: str, context: Any = None, kind: SpanKind = SpanKind.INTERNAL,
+                   attributes: Mapping[str, Any] | None = None, links: Sequence[Link] | None = None,
+                   start_time: int | None = None) -> trace.Span:
+        links = links or ()
+        parent = trace.get_current_span(context).get_span_context()
+        if parent is None or not parent.is_valid:
+            parent = None
+            trace_id = self._ids.generate_trace_id()
+            random_id = self._random_ids
+        else:
+            trace_id = parent.trace_id
+            random_id = bool(int(parent.trace_flags) & _RANDOM)
+        result = self._sampler.should_sample(context, trace_id, name, kind, attributes, links)
+        flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
+        if random_id and _RANDOM:
+            flags = TraceFlags(flags | _RANDOM)
+        span_context = SpanContext(trace_id, self._ids.generate_span_id(), is_remote=False,
+                                   trace_flags=flags, trace_state=result.trace_state)
+        if not result.decision.is_recording():
+            return trace.NonRecordingSpan(span_context)
+        return LeanSpan(self, name, span_context, parent, kind, result.attributes, links,
+                        start_time)
+
+
+class LeanSpan(trace.Span):
+    """A recording span that goes to its tracer's batch processor when it ends."""
+
+    __slots__ = ("_tracer", "name", "context", "parent", "kind", "start_time", "end_time",
+                 "_attributes", "dropped_attributes", "_events", "_links", "status")
+
+    dropped_events = 0
+    dropped_links = 0
+
+    def __init__(self, tracer: LeanTracer, name: str, context: SpanContext,
+                 parent: SpanContext | None, kind: SpanKind,
+                 attributes: Mapping[str, Any] | None, links: Sequence[Link],
+                 start_time: int | None) -> None:
+        self._tracer = tracer
+        self.name = name
+        self.context = context
+        self.parent = parent
+        self.kind = kind
+        self.start_time = start_time if start_time is not None else time.time_ns()
+        self.end_time: int | None = None
+        self._attributes: dict[str, Any] = {}
+        self.dropped_attributes = 0
+        self._events: list[Event] = []
+        self._links = tuple(links)
+        self.status = _UNSET
+        if attributes:
+            self._put(attributes)
+
+    # -- what exporters read (ReadableSpan's properties) ---------------------
+    @property
+    def attributes(self) -> Mapping[str, Any]:
+        return self._attributes
+
+    @property
+    def events(self) -> Sequence[Event]:
+        return self._events
+
+    @property
+    def links(self) -> Sequence[Link]:
+        return self._links
+
+    @property
+    def resource(self) -> Any:
+        return self._tracer.resource
+
+    @property
+    def instrumentation_scope(self) -> InstrumentationScope:
+        return self._tracer.instrumentation_scope
+
+    # -- the recording side (opentelemetry.trace.Span) ------------------------
+    def get_span_context(self) -> SpanContext:
+        return self.context
+
+    def is_recording(self) -> bool:
+        return self.end_time is None
+
+    def _put(self, attributes: Mapping[str, Any]) -> None:
+        """Store attributes under the SDK's limits (count: the oldest is dropped; string length)."""
+        limit, length = self._tracer.max_attributes, self._tracer.max_value_length
+        attrs = self._attributes
+        for key, value in attributes.items():
+            if length is not None and isinstance(value, str) and len(value) > length:
+                value = value[:length]
+            if key not in attrs and limit is not None and len(attrs) >= limit:
+                if not limit:
+                    self.dropped_attributes += 1
+                    continue
+                del attrs[next(iter(attrs))]  # as the SDK: the oldest goes
+                self.dropped_attributes += 1
+            attrs[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        with _LOCK:
+            if self.end_time is None:
+                self._put(attributes)
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.set_attributes({key: value})
+
+    def add_event(self, name: str, attributes: Mapping[str, Any] | None = None,
+                  timestamp: int | None = None) -> None:
+        with _LOCK:
+            if self.end_time is None:
+                self._events.append(Event(name, dict(attributes or {}),
+                                          timestamp if timestamp is not None else time.time_ns()))
+
+    def add_link(self, context: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
+        with _LOCK:
+            if self.end_time is None and context.is_valid:
+                self._links = (*self._links, Link(context, dict(attributes or {})))
+
+    def update_name(self, name: str) -> None:
+        with _LOCK:
+            if self.end_time is None:
+                self.name = name
+
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
+        # As the SDK: OK is final, UNSET never overwrites.
+        if not isinstance(status, Status):
+            status = Status(status, description)
+        with _LOCK:
+            if self.end_time is None and self.status.status_code is not StatusCode.OK \
+                    and status.status_code is not StatusCode.UNSET:
+                self.status = status
+
+    def record_exception(self, exception: BaseException, attributes: Mapping[str, Any] | None = None,
+                         timestamp: int | None = None, escaped: bool = False) -> None:
+        attrs = {"exception.type": type(exception).__name__,
+                 "exception.message": str(exception),
+                 "exception.stacktrace": "".join(traceback.format_exception(
+                     type(exception), exception, exception.__traceback__)),
+                 "exception.escaped": str(escaped)}
+        attrs.update(attributes or {})
+        self.add_event("exception", attrs, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        with _LOCK:
+            if self.end_time is not None:
+                return
+            self.end_time = end_time if end_time is not None else time.time_ns()
+        self._tracer._processor.on_end(self)
+
+    def __repr__(self) -> str:
+        return f"LeanSpan({self.name!r}, span_id={self.context.span_id:016x})"

@@ -1,0 +1,185 @@
+"""Lean spans against the SDK's: the same decisions, the same exported bytes.
+
+Two tracers on one provider with a deterministic id generator: the SDK's own and
+our `LeanTracer`. Driven through the same calls with the same timestamps, each
+span must encode to the same OTLP bytes (with the SDK's encoder, which reads the
+lean span through `ReadableSpan`'s properties, and with ours).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider, sampling
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from connector.telemetry import otlp_wire, tracing
+from connector.telemetry.export_guard import CountingBatchSpanProcessor, CountingExporter
+from connector.telemetry.lean_span import LEAN_SPANS_ENV, LeanSpan, LeanTracer
+from connector.vocabulary import TRACER_NAME
+
+
+class CountingIds(IdGenerator):
+    """Ids from a counter, so two tracers driven alike name their spans alike."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count(1)
+
+    def generate_span_id(self) -> int:
+        return next(self._next)
+
+    def generate_trace_id(self) -> int:
+        return (1 << 100) + next(self._next)
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
+class Collect(SpanExporter):
+    def __init__(self) -> None:
+        self.spans: list = []
+
+    def export(self, spans):
+        self.spans.extend(spans)
+        return SpanExportResult.SUCCESS
+
+
+def _pair(sampler=None):
+    """(sdk tracer, lean tracer, exporter, id generator reset) on one provider."""
+    exporter = InMemorySpanExporter()
+    ids = CountingIds()
+    provider = TracerProvider(resource=Resource.create({"service.name": "vllm-prefill"}),
+                              id_generator=ids, sampler=sampler or sampling.ParentBased(sampling.ALWAYS_ON))
+    processor = SimpleSpanProcessor(exporter)
+    provider.add_span_processor(processor)
+    return provider, processor, exporter
+
+
+REMOTE = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, is_remote=True,
+                     trace_flags=TraceFlags(1))
+
+
+def _drive(tracer) -> list:
+    """The calls our push path makes (and a few it could), with fixed times."""
+    parent = trace.set_span_in_context(NonRecordingSpan(REMOTE))
+    write = tracer.start_span("nixl.push.write", context=parent, kind=SpanKind.CONSUMER,
+                              attributes={"vllm.request_id": "r-1", "n": 3, "ok": True, "f": 0.5},
+                              links=[Link(REMOTE, {"link.role": "prefill_request"})], start_time=10)
+    write.set_attribute("nixl.handshake.wait_s", 0.0)
+    write.set_attributes({"x": "y", "none": None})
+    hs = tracer.start_span("nixl.handshake", context=trace.set_span_in_context(write),
+                           kind=SpanKind.CLIENT, start_time=11)
+    hs.add_event("exception", {"exception.message": "boom"}, timestamp=12)
+    hs.set_status(Status(StatusCode.ERROR, "boom"))
+    hs.set_status(StatusCode.UNSET)  # never overwrites
+    hs.end(end_time=13)
+    hs.set_attribute("after", "end")  # ignored, as the SDK does
+    root = tracer.start_span("nixl.push.receive", start_time=20)
+    root.set_status(Status(StatusCode.OK))
+    root.set_status(Status(StatusCode.ERROR, "too late"))  # OK is final
+    root.end(end_time=21)
+    write.end(end_time=30)
+    write.end(end_time=40)  # a second end is a no-op
+    return [hs, root, write]
+
+
+def _sdk_and_lean(sampler=None):
+    provider, processor, exporter = _pair(sampler)
+    sdk_spans = _drive(provider.get_tracer(TRACER_NAME))
+    sdk_finished = list(exporter.get_finished_spans())
+    exporter.clear()
+    provider.id_generator._next = itertools.count(1)
+    lean_spans = _drive(LeanTracer(provider, processor, TRACER_NAME))
+    lean_finished = list(exporter.get_finished_spans())
+    return sdk_spans, sdk_finished, lean_spans, lean_finished
+
+
+def test_lean_spans_export_the_same_bytes_as_sdk_spans():
+    _, sdk_finished, _, lean_finished = _sdk_and_lean()
+    assert len(sdk_finished) == len(lean_finished) == 3
+    assert all(isinstance(s, LeanSpan) for s in lean_finished)
+    sdk_bytes = encode_spans(sdk_finished).SerializeToString()
+    assert encode_spans(lean_finished).SerializeToString() == sdk_bytes
+    assert otlp_wire.encode_request(lean_finished) == sdk_bytes
+
+
+@pytest.mark.parametrize("sampler", [
+    sampling.ParentBased(sampling.ALWAYS_OFF),
+    sampling.ALWAYS_OFF,
+    sampling.TraceIdRatioBased(0.5),  # keeps our small root trace ids, drops the remote one
+])
+def test_lean_spans_follow_the_providers_sampler(sampler):
+    sdk_spans, sdk_finished, lean_spans, lean_finished = _sdk_and_lean(sampler)
+    assert len(lean_finished) == len(sdk_finished) < 3  # the sampler dropped something
+    for sdk, lean in zip(sdk_spans, lean_spans, strict=True):
+        assert isinstance(sdk, NonRecordingSpan) is isinstance(lean, NonRecordingSpan)
+        assert sdk.get_span_context() == lean.get_span_context()
+    assert encode_spans(lean_finished).SerializeToString() == encode_spans(sdk_finished).SerializeToString()
+
+
+def test_attribute_limits_of_the_environment_apply(monkeypatch):
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "4")
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "2")
+    provider, processor, exporter = _pair()
+    seen = []
+    for tracer in (provider.get_tracer(TRACER_NAME), LeanTracer(provider, processor, TRACER_NAME)):
+        provider.id_generator._next = itertools.count(1)
+        span = tracer.start_span("s", attributes={"a": "abcdefgh"}, start_time=1)
+        span.set_attribute("b", "xyzxyz")
+        seen.append(dict(span.attributes))
+        span.set_attribute("c", 2)
+        span.end(end_time=2)
+    assert seen == [{"a": "abcd", "b": "xyzx"}] * 2  # strings cut to the length limit
+    sdk, lean = exporter.get_finished_spans()
+    assert dict(lean.attributes) == dict(sdk.attributes) == {"b": "xyzx", "c": 2}  # the oldest went
+    assert lean.dropped_attributes == sdk.dropped_attributes == 1
+
+
+def test_our_provider_gets_lean_spans_only_while_our_processor_is_its_only_one(monkeypatch):
+    provider = TracerProvider()
+    processor = CountingBatchSpanProcessor(CountingExporter(Collect()))
+    provider.add_span_processor(processor)
+    try:
+        assert isinstance(tracing.own_tracer(provider, processor), LeanTracer)
+        monkeypatch.setenv(LEAN_SPANS_ENV, "0")
+        assert not isinstance(tracing.own_tracer(provider, processor), LeanTracer)
+        monkeypatch.delenv(LEAN_SPANS_ENV)
+        assert not isinstance(tracing.own_tracer(provider, None), LeanTracer)  # not ours
+        provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+        assert not isinstance(tracing.own_tracer(provider, processor), LeanTracer)
+    finally:
+        provider.shutdown()
+
+
+def test_lean_spans_reach_the_batch_exporter_and_its_ledger():
+    exporter = Collect()
+    provider = TracerProvider()
+    processor = CountingBatchSpanProcessor(CountingExporter(exporter))
+    provider.add_span_processor(processor)
+    tracer = LeanTracer(provider, processor, TRACER_NAME)
+    try:
+        def work() -> None:
+            for _ in range(200):
+                span = tracer.start_span("nixl.push.write")
+                span.set_attribute("k", 1)
+                span.end()
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert processor.force_flush()
+        assert len(exporter.spans) == 800
+        assert len({s.context.span_id for s in exporter.spans}) == 800
+        assert all(s.attributes == {"k": 1} and s.end_time >= s.start_time for s in exporter.spans)
+    finally:
+        provider.shutdown()
