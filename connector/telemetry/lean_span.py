@@ -100,8 +100,20 @@ class LeanTracer:
 class LeanSpan(trace.Span):
     """A recording span that goes to its tracer's batch processor when it ends."""
 
-    __slots__ = ("_tracer", "name", "context", "parent", "kind", "start_time", "end_time",
-                 "_attributes", "dropped_attributes", "_events", "_links", "status")
+    __slots__ = (
+        "_attributes",
+        "_events",
+        "_links",
+        "_tracer",
+        "context",
+        "dropped_attributes",
+        "end_time",
+        "kind",
+        "name",
+        "parent",
+        "start_time",
+        "status",
+    )
 
     dropped_events = 0
     dropped_links = 0
