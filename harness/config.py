@@ -181,7 +181,10 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
                          ("export_timeout_s", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"),
                          # A sampler other than always-on (benchmarks.cpu_cost's ratio variant).
                          ("sampler", "OTEL_TRACES_SAMPLER"),
-                         ("sampler_arg", "OTEL_TRACES_SAMPLER_ARG")):
+                         ("sampler_arg", "OTEL_TRACES_SAMPLER_ARG"),
+                         # The SDK's default is 5000 ms; tests see spans sooner with 200.
+                         ("schedule_delay_ms", "OTEL_BSP_SCHEDULE_DELAY"),
+                         ("lean_spans", "NIXL_PUSH_OBSERVED_LEAN_SPANS")):
             if key in spec.tracing:
                 env[var] = str(spec.tracing[key])
     return env

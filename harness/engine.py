@@ -339,6 +339,24 @@ class Engine:
         spans = getattr(self.worker, "_spans", None)
         return bool(spans is not None and spans.enabled)
 
+    def cmd_profile(self, path: str | None = None) -> str | None:
+        """cProfile the engine's main thread (steps and connector calls): start it, or
+        with `path`, stop it and write its stats there (a benchmark's tool)."""
+        import cProfile
+
+        if path is None:
+            self._profile = cProfile.Profile()
+            self._profile.enable()
+            return None
+        self._profile.disable()
+        self._profile.dump_stats(path)
+        return path
+
+    def cmd_tracer_kind(self) -> str | None:
+        """The class of the tracer our spans come from (`LeanTracer` on our own provider)."""
+        spans = getattr(self.worker, "_spans", None)
+        return None if spans is None or spans.tracer is None else type(spans.tracer).__name__
+
     def cmd_timed_handshake(self, prefill: dict[str, Any]) -> dict[str, Any]:
         """Time one heartbeat-style D->P handshake in this process (benchmarks).
 

@@ -30,3 +30,11 @@ def test_otlp_encode_benchmark_runs_and_compares_like_with_like():
     result = otlp_encode.otlp_encode_bench(repeats=1)  # asserts both encoders agree first
     assert set(result) == {"write", "handshake"}
     assert all(r["sdk_us"] > 0 and r["ours_us"] > 0 for r in result.values())
+
+
+def test_span_cost_benchmark_runs_both_tracers_through_the_batch_processor():
+    from benchmarks import span_cost
+
+    result = span_cost.span_cost_bench(repeats=1, n=50)  # asserts every span reached the exporter
+    assert set(result) == {"sdk_make_us", "lean_make_us", "sdk_encode_us", "lean_encode_us"}
+    assert all(v > 0 for v in result.values())

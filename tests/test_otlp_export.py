@@ -42,6 +42,8 @@ def test_spans_arrive_over_otlp_grpc_and_http(tmp_path):
             report = h.push(3)
             assert report.ok
             for name in ("P", "D"):
+                # Our own provider with our processor only: lean spans (lean_span.py), on both protocols.
+                assert h[name].call("tracer_kind") == "LeanTracer"
                 h[name].call("spans")  # force_flush the batch processor
             p_spans = wait_for_spans(grpc_rx, lambda s: sum(x["name"] == SPAN_PUSH_WRITE for x in s) == 3)
             d_spans = wait_for_spans(http_rx, lambda s: sum(x["name"] == SPAN_PUSH_RECEIVE for x in s) == 3)

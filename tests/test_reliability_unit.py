@@ -18,6 +18,7 @@ from connector.glue.push import push_reg_problem
 from connector.glue.retry import RetryPolicy
 from connector.telemetry import errors
 from connector.telemetry.in_flight import InFlight
+from connector.telemetry.receives import ReceiveClock
 from connector.telemetry.record import HandshakeRecord
 from connector.telemetry.span_table import BoundedIdSet, SpanTable
 from connector.telemetry.stats import ObservedNixlStats
@@ -94,6 +95,22 @@ class FakeSpan:
     def end(self) -> None:
         if self.ended_with == "open":
             self.ended_with = None
+
+
+def test_receive_clock_expires_each_receive_exactly_at_its_timeout():
+    clock = ReceiveClock(timeout_s=10.0)
+    clock.start("a", now=0.0)
+    clock.start("b", now=5.0)
+    clock.start("c", now=6.0)
+    clock.start("a", now=7.0)  # re-sent: keeps its first start
+    assert clock.pop_expired(now=9.99) == []
+    assert clock.pop_expired(now=10.0) == [("a", 10.0)]
+    assert clock.stop("b", now=12.0) == 7.0  # stopped before it expired: never reported
+    assert clock.pop_expired(now=15.5) == []
+    assert clock.pop_expired(now=16.0) == [("c", 10.0)]
+    assert len(clock) == 0 and clock.pop_expired(now=99.0) == []
+    clock.start("d", now=100.0)  # a new receive after the clock ran empty
+    assert clock.pop_expired(now=109.0) == [] and clock.pop_expired(now=110.5) == [("d", 10.5)]
 
 
 def test_registering_again_ends_the_span_it_replaces():

@@ -1,0 +1,102 @@
+"""Recording-thread and exporter-thread cost of one write span: SDK spans vs lean spans.
+
+One provider with our batch processor (as `install_provider` builds it, with an
+exporter that only keeps the spans). Per round, `--spans` write spans are made the
+way P's writer makes them (a remote parent from the PUSH_REG, a link to P's own
+request, five attributes, one attribute set later, ended), alternately by the SDK's
+tracer and by our `LeanTracer`; then each round's finished spans are encoded with our
+OTLP encoder (the exporter thread's work). Prints medians over `--repeats` rounds and
+the ratios.
+
+    python -m benchmarks.span_cost [--repeats 15] [--spans 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import SpanKind
+
+from connector.telemetry.export_guard import CountingBatchSpanProcessor, CountingExporter
+from connector.telemetry.lean_span import LeanTracer
+from connector.telemetry.otlp_wire import encode_request
+from connector.telemetry.tracing import OsRandomIdGenerator, context_link, extract_context
+from connector.vocabulary import SPAN_PUSH_WRITE, TRACER_NAME, Attr
+
+
+class _Keep(SpanExporter):
+    def __init__(self) -> None:
+        self.spans: list[Any] = []
+
+    def export(self, spans: Any) -> SpanExportResult:
+        self.spans.extend(spans)
+        return SpanExportResult.SUCCESS
+
+
+def _make(tracer: Any, n: int) -> float:
+    """Microseconds per write span on the recording thread."""
+    parent = extract_context({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+    own = extract_context({"traceparent": "00-1bf7651916cd43dd8448eb211c80319c-c7ad6b7169203331-01"})
+    t0 = time.perf_counter()
+    for i in range(n):
+        rid = f"cmpl-{i:08x}-0"
+        span = tracer.start_span(
+            SPAN_PUSH_WRITE, context=parent, kind=SpanKind.CONSUMER,
+            links=[context_link(own, {Attr.LINK_ROLE: "prefill_request"})],
+            attributes={Attr.REQUEST_ID: rid, Attr.REMOTE_REQUEST_ID: rid,
+                        Attr.REMOTE_ENGINE_ID: "6f1c-decode", Attr.LOCAL_ENGINE_ID: "91ab-prefill",
+                        Attr.NUM_BLOCKS: 4})
+        span.set_attribute(Attr.HANDSHAKE_WAIT, 0.0)
+        span.end()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def span_cost_bench(repeats: int, n: int) -> dict[str, float]:
+    kept = _Keep()
+    provider = TracerProvider(id_generator=OsRandomIdGenerator())
+    processor = CountingBatchSpanProcessor(CountingExporter(kept), max_queue_size=4 * n,
+                                           max_export_batch_size=512, schedule_delay_millis=60_000)
+    provider.add_span_processor(processor)
+    tracers = {"sdk": provider.get_tracer(TRACER_NAME),
+               "lean": LeanTracer(provider, processor, TRACER_NAME)}
+    make: dict[str, list[float]] = {k: [] for k in tracers}
+    encode: dict[str, list[float]] = {k: [] for k in tracers}
+    try:
+        for _ in range(repeats):
+            for name, tracer in tracers.items():
+                make[name].append(_make(tracer, n))
+                processor.force_flush()
+                spans, kept.spans = kept.spans, []
+                assert len(spans) == n, len(spans)
+                t0 = time.perf_counter()
+                encode_request(spans)
+                encode[name].append((time.perf_counter() - t0) / n * 1e6)
+    finally:
+        provider.shutdown()
+    med = {f"{k}_{what}": statistics.median(v)
+           for what, d in (("make_us", make), ("encode_us", encode)) for k, v in d.items()}
+    print(f"== one write span, {repeats} alternating rounds x {n} spans, medians [min-max]")
+    for what, d in (("start + set + end (recording thread)", make),
+                    ("OTLP encode (exporter thread)", encode)):
+        s, lean = statistics.median(d["sdk"]), statistics.median(d["lean"])
+        print(f"  {what:<38} SDK span {s:5.1f} us [{min(d['sdk']):.1f}-{max(d['sdk']):.1f}], "
+              f"lean span {lean:5.1f} us [{min(d['lean']):.1f}-{max(d['lean']):.1f}]: {s / lean:.2f}x less")
+    return med
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--spans", type=int, default=2000)
+    args = ap.parse_args(argv)
+    span_cost_bench(args.repeats, args.spans)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
