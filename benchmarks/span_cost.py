@@ -59,7 +59,7 @@ def _make(tracer: Any, n: int) -> float:
 def span_cost_bench(repeats: int, n: int) -> dict[str, float]:
     kept = _Keep()
     provider = TracerProvider(id_generator=OsRandomIdGenerator())
-    processor = CountingBatchSpanProcessor(CountingExporter(kept), max_queue_size=4 * n,
+    processor = CountingBatchSpanProcessor(CountingExporter(kept), max_queue_size=max(4 * n, 512),
                                            max_export_batch_size=512, schedule_delay_millis=60_000)
     provider.add_span_processor(processor)
     tracers = {"sdk": provider.get_tracer(TRACER_NAME),

@@ -350,6 +350,9 @@ class Engine:
             return None
         self._profile.disable()
         self._profile.dump_stats(path)
+        writer = _WRITER_PROFILES.get(id(self.worker))
+        if writer is not None:  # HARNESS_PROFILE_WRITER: the writer thread's, since it started
+            writer.dump_stats(f"{path}.writer")
         return path
 
     def cmd_tracer_kind(self) -> str | None:
@@ -556,6 +559,29 @@ class Engine:
         gc.collect()
 
 
+
+_WRITER_PROFILES: dict[int, Any] = {}
+
+
+def _profile_push_writers() -> None:
+    """Run vLLM's push writer loop under cProfile (`cmd_profile` writes it out)."""
+    import cProfile
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+    loop = NixlPushConnectorWorker._push_writer_loop
+
+    def profiled(self: Any) -> None:
+        prof = _WRITER_PROFILES[id(self)] = cProfile.Profile()
+        prof.enable()
+        try:
+            loop(self)
+        finally:
+            prof.disable()
+
+    NixlPushConnectorWorker._push_writer_loop = profiled
+
+
 def _as_heartbeat(worker: Any) -> Any:
     """Tag handshakes started inside as heartbeat-triggered (the fork's worker; no-op on stock)."""
     from connector.vocabulary import Trigger
@@ -580,6 +606,8 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
             from harness.nixl_progress import set_progress_delay
 
             set_progress_delay(spec.nixl_progress_delay_us)
+        if os.environ.get("HARNESS_PROFILE_WRITER"):
+            _profile_push_writers()
         if spec.tracing == "memory":
             from connector.testing.spans import install_memory_tracer
 

@@ -144,7 +144,10 @@ class PushFlow:
         if problem is not None:
             self._reject_push_reg(problem[0], problem[1], notif)
             return
-        if not self._has_finished_blocks_for(reg["request_id"]) and self._registration_is_late(reg):
+        # Only after a lease ended unpushed can a PUSH_REG be late (the common case
+        # skips both checks, each a regex per request id).
+        if (self._lease_expired_bases and not self._has_finished_blocks_for(reg["request_id"])
+                and self._registration_is_late(reg)):
             self._reject_late_registration(reg, notif)  # upstream: pending for ever
             return
         try:
@@ -236,6 +239,8 @@ class PushFlow:
         again when it is done: the time between the two calls is the wait. A first
         call sets 0; if it is then deferred, the second call sets the real wait.
         """
+        if span is None and not self._write_deferred_at:  # tracing off, nothing deferred
+            return
         try:
             started = self._write_deferred_at.pop(request_id, None)
             waited = 0.0 if started is None else time.monotonic() - started
@@ -260,6 +265,8 @@ class PushFlow:
         blocks for another request. Upstream still WRITEs them: D would then get
         another request's KV and decode from it without any error.
         """
+        if not self._lease_expired:  # no lease has ended unpushed: the common case, no lock
+            return False
         with self._push_lock:
             gone = request_id in self._lease_expired
         if gone:
