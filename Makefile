@@ -104,7 +104,7 @@ demo: setup
 demo-harness: setup
 	$(PY) -m harness.demo
 
-# Every benchmark, one after the other (about 25 min here); engine logs go to .cache/bench/engine-logs.
+# Every benchmark, one after the other (about 35 min here); engine logs go to .cache/bench/engine-logs.
 # benchmarks.scale also writes .cache/bench/scale.json and scale.png.
 BENCH_LOGS := $(CURDIR)/.cache/bench/engine-logs
 bench: setup
@@ -113,6 +113,7 @@ bench: setup
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.first_request
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.cpu_cost
 	$(PY) -m benchmarks.otlp_encode
+	$(PY) -m benchmarks.span_cost
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.scale --out .cache/bench
 
 clean:
