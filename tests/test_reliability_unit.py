@@ -162,6 +162,13 @@ GOOD = {"request_id": "cmpl-1", "decode_engine_id": "d", "decode_host": "127.0.0
     (push_reg({**GOOD, "decode_tp_size": True}), PushRegRejection.WRONG_TYPE),
     (push_reg({**GOOD, "local_block_ids": [["a"]]}), PushRegRejection.WRONG_TYPE),
     (push_reg({**GOOD, "local_block_ids": [[-1]]}), PushRegRejection.WRONG_TYPE),
+    # A long prompt: thousands of ids, checked to the last one.
+    (push_reg({**GOOD, "local_block_ids": [list(range(4000)), list(range(4000))]}), None),
+    (push_reg({**GOOD, "local_block_ids": [list(range(4000)), [*range(3999), -1]]}),
+     PushRegRejection.WRONG_TYPE),
+    (push_reg({**GOOD, "local_block_ids": [*range(4000), True]}), PushRegRejection.WRONG_TYPE),
+    (push_reg({**GOOD, "local_block_ids": [[1], 2]}), PushRegRejection.WRONG_TYPE),
+    (push_reg({**GOOD, "local_block_ids": [[]]}), None),
     (b"PUSH_REG:" + b"\x00" * (MAX_PUSH_REG_BYTES + 1), PushRegRejection.OVERSIZED),
 ])
 def test_push_reg_problems(notif: bytes, reason: PushRegRejection | None):
