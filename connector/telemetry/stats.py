@@ -49,7 +49,9 @@ class ObservedNixlStats(NixlKVConnectorStats):
 
     def _reset(self) -> None:
         super().reset()  # binds a new dict; the old one belongs to the clone
-        # Our keys are added as records arrive (`setdefault`); readers use `.get`.
+        # Every interval's dict names all our keys (what a reader of the dict vLLM
+        # ships to the API server may expect, as of a stock one).
+        self.data.update({key: [] for key in OUR_STAT_KEYS})
         self._has_ours = False
 
     def clone_and_reset(self) -> ObservedNixlStats:
