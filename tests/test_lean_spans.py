@@ -153,8 +153,16 @@ def test_our_provider_gets_lean_spans_only_while_our_processor_is_its_only_one(m
         assert not isinstance(tracing.own_tracer(provider, processor), LeanTracer)
         monkeypatch.delenv(LEAN_SPANS_ENV)
         assert not isinstance(tracing.own_tracer(provider, None), LeanTracer)  # not ours
-        provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+        lean = tracing.own_tracer(provider, processor)
+        assert isinstance(lean.start_span("before"), LeanSpan)
+        added = InMemorySpanExporter()
+        provider.add_span_processor(SimpleSpanProcessor(added))
         assert not isinstance(tracing.own_tracer(provider, processor), LeanTracer)
+        # A tracer made before the processor was added hands the SDK its next spans.
+        after = lean.start_span("after")
+        assert not isinstance(after, LeanSpan)
+        after.end()
+        assert [s.name for s in added.get_finished_spans()] == ["after"]
     finally:
         provider.shutdown()
 

@@ -15,7 +15,7 @@ apply. A `LeanSpan` answers the OTel span API on the recording side and the
 too (our fallback when our encoder fails).
 
 Not used on a provider vLLM or the user installed, or on ours once it has another
-span processor: those get the SDK's own spans, exactly as before.
+span processor (checked per span): those get the SDK's own spans, exactly as before.
 `NIXL_PUSH_OBSERVED_LEAN_SPANS=0` turns it off.
 """
 
@@ -66,16 +66,32 @@ class LeanTracer:
         self.max_attributes = limits.max_span_attributes
         self.max_value_length = limits.max_span_attribute_length
 
+        self._sdk_tracer = provider.get_tracer(name, version)
+        self._checked: Any = None  # the provider's processor tuple last found to be ours alone
+
     def is_current(self) -> bool:
-        """Still the provider's only processor (else SDK spans, which reach them all)."""
+        """Still the provider's only processor (else SDK spans, which reach them all).
+
+        The SDK replaces its processor tuple when one is added, so an identity check
+        per span notices a processor added at any time.
+        """
         try:
-            return tuple(self._provider._active_span_processor._span_processors) == (self._processor,)
+            processors = self._provider._active_span_processor._span_processors
         except Exception:
             return False
+        if processors is self._checked:
+            return True
+        if tuple(processors) == (self._processor,):
+            self._checked = processors
+            return True
+        return False
 
     def start_span(self, name: str, context: Any = None, kind: SpanKind = SpanKind.INTERNAL,
                    attributes: Mapping[str, Any] | None = None, links: Sequence[Link] | None = None,
                    start_time: int | None = None) -> trace.Span:
+        if not self.is_current():  # someone added a processor: theirs may need SDK spans
+            return self._sdk_tracer.start_span(name, context=context, kind=kind, attributes=attributes,
+                                               links=links, start_time=start_time)
         links = links or ()
         parent = trace.get_current_span(context).get_span_context()
         if parent is None or not parent.is_valid:
