@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cpu_cost import push_batches
 from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
 from harness.config import FORK, STOCK
@@ -46,10 +47,7 @@ def _run(name: str, n: int, batch: int, out: Path, **kw: Any) -> None:
         assert h.push(20).ok  # warm-up: handshakes
         for e in ("P", "D"):
             h[e].call("profile")
-        for _ in range(n // batch):
-            h._written.clear()  # reuse the same blocks: the cache is small on purpose
-            h["P"]._next_block = h["D"]._next_block = 0
-            assert not h.push(batch, verify=False).failed
+        push_batches(h, n, batch)
         for e in ("P", "D"):
             h[e].call("profile", str(out / f"{name}-{e}.pstats"))
 

@@ -100,7 +100,7 @@ def _session(rx: OtlpGrpcReceiver, session: int, rounds: int, requests: int, bat
                                          num_blocks=2 * batch + 8, **kw).start()
             assert pairs[name].push(20).ok  # warm-up: handshakes, first connections
         for name in names:  # an unmeasured round: the first one after start-up ran 10-25% high
-            _push(pairs[name], requests, batch)
+            push_batches(pairs[name], requests, batch)
         idle_rate = {name: _idle_rate(pairs[name]) for name in names}
         for name in names:
             out["idle_rate"][name].append(idle_rate[name])
@@ -112,7 +112,7 @@ def _session(rx: OtlpGrpcReceiver, session: int, rounds: int, requests: int, bat
                 h = pairs[name]
                 before = [h[e].call("thread_cpu") for e in ("P", "D")]
                 t0 = time.perf_counter()
-                _push(h, requests, batch)
+                push_batches(h, requests, batch)
                 if "tracing" in VARIANTS[name]:
                     for e in ("P", "D"):
                         h[e].call("spans")  # force_flush: this round's spans leave in this round
@@ -140,10 +140,10 @@ def _session(rx: OtlpGrpcReceiver, session: int, rounds: int, requests: int, bat
             h.stop()
 
 
-def _push(h: PushHarness, requests: int, batch: int) -> None:
+def push_batches(h: PushHarness, requests: int, batch: int) -> None:
+    """`requests` unverified pushes in batches, into the same blocks (the cache is small on purpose)."""
     for _ in range(requests // batch):
-        h._written.clear()  # reuse the same blocks: the cache is small on purpose
-        h["P"]._next_block = h["D"]._next_block = 0
+        h.reuse_blocks("P", "D")
         report = h.push(batch, verify=False)
         assert not report.failed, report
 

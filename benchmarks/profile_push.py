@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def drive() -> None:
                 while not stop.is_set():
-                    h._written.clear()  # reuse the same blocks: the cache is small on purpose
-                    h["P"]._next_block = h["D"]._next_block = 0
+                    h.reuse_blocks("P", "D")  # the cache is small on purpose
                     report = h.push(args.batch, verify=False)
                     pushed[0] += len(report.requests)
 

@@ -559,7 +559,6 @@ class Engine:
         gc.collect()
 
 
-
 _WRITER_PROFILES: dict[int, Any] = {}
 
 

@@ -218,6 +218,16 @@ class PushHarness:
         return self.engines[name]
 
     # ---------------------------------------------------------------- pushes
+    def reuse_blocks(self, *names: str) -> None:
+        """Allocate from block 0 again on these engines and forget what was written.
+
+        Long runs push batch after batch into the same blocks, so the caches stay
+        small; the untouched-block check then covers only what follows.
+        """
+        self._written.clear()
+        for name in names:
+            self.engines[name]._next_block = 0
+
     def push(self, n_requests: int, *, prefill: str = "P", decode: str = "D",
              blocks_per_request: int = 2, heartbeat: bool = True, lease_s: float = 30.0,
              timeout_s: float = 60.0, verify: bool = True,

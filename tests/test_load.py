@@ -102,8 +102,7 @@ def load(tmp_path_factory: pytest.TempPathFactory) -> Any:
             sent = {s.name: 0 for s in specs}
             for _ in range(per_decoder):
                 for d in sent:
-                    h._written.clear()  # blocks are reused batch after batch: caches stay small
-                    h["P"]._next_block = h[d]._next_block = 0
+                    h.reuse_blocks("P", d)  # blocks are reused batch after batch: caches stay small
                     report = h.push(BATCH, decode=d, blocks_per_request=BLOCKS_PER_REQUEST,
                                     verify=len(out.decoders) % 5 == 0, timeout_s=120.0)
                     sent[d] += len(report.requests)

@@ -21,7 +21,6 @@ span processor (checked per span): those get the SDK's own spans, exactly as bef
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -33,8 +32,6 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import Event, SpanLimits
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
-
-logger = logging.getLogger(__name__)
 
 LEAN_SPANS_ENV = "NIXL_PUSH_OBSERVED_LEAN_SPANS"
 
@@ -65,7 +62,6 @@ class LeanTracer:
         limits = SpanLimits()  # reads OTEL_SPAN_ATTRIBUTE_* / OTEL_ATTRIBUTE_* as the SDK does
         self.max_attributes = limits.max_span_attributes
         self.max_value_length = limits.max_span_attribute_length
-
         self._sdk_tracer = provider.get_tracer(name, version)
         self._checked: Any = None  # the provider's processor tuple last found to be ours alone
 
@@ -189,11 +185,10 @@ class LeanSpan(trace.Span):
             if length is not None and isinstance(value, str) and len(value) > length:
                 value = value[:length]
             if key not in attrs and limit is not None and len(attrs) >= limit:
+                self.dropped_attributes += 1
                 if not limit:
-                    self.dropped_attributes += 1
                     continue
                 del attrs[next(iter(attrs))]  # as the SDK: the oldest goes
-                self.dropped_attributes += 1
             attrs[key] = value
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
