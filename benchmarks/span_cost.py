@@ -25,7 +25,7 @@ from opentelemetry.trace import SpanKind
 from connector.telemetry.export_guard import CountingBatchSpanProcessor, CountingExporter
 from connector.telemetry.lean_span import LeanTracer
 from connector.telemetry.otlp_wire import encode_request
-from connector.telemetry.tracing import OsRandomIdGenerator, context_link, extract_context
+from connector.telemetry.tracing import PrivateRandomIdGenerator, context_link, extract_context
 from connector.vocabulary import SPAN_PUSH_WRITE, TRACER_NAME, Attr
 
 
@@ -58,7 +58,7 @@ def _make(tracer: Any, n: int) -> float:
 
 def span_cost_bench(repeats: int, n: int) -> dict[str, float]:
     kept = _Keep()
-    provider = TracerProvider(id_generator=OsRandomIdGenerator())
+    provider = TracerProvider(id_generator=PrivateRandomIdGenerator())
     processor = CountingBatchSpanProcessor(CountingExporter(kept), max_queue_size=max(4 * n, 512),
                                            max_export_batch_size=512, schedule_delay_millis=60_000)
     provider.add_span_processor(processor)

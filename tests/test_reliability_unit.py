@@ -278,13 +278,14 @@ def test_failure_log_line_points_at_the_code_that_failed(caplog):
 # ------------------------------------------------------------------ span ids
 def test_span_ids_do_not_follow_pythons_seeded_random():
     """vLLM seeds `random` with the same value in every worker: ids drawn from it repeat
-    across engines (P's and D's spans of one request collided). Ours come from the OS."""
+    across engines (P's and D's spans of one request collided). Ours come from a
+    generator of the process's own, seeded from the OS."""
     import random
 
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
-    from connector.telemetry.tracing import OsRandomIdGenerator, use_os_entropy
+    from connector.telemetry.tracing import PrivateRandomIdGenerator, use_os_entropy
 
     def first_ids(generator) -> tuple[int, int]:
         random.seed(0)  # what every vLLM worker process does
@@ -292,16 +293,37 @@ def test_span_ids_do_not_follow_pythons_seeded_random():
 
     stock = RandomIdGenerator()
     assert first_ids(stock) == first_ids(stock)  # two "engines", the same ids: the bug
-    ours = OsRandomIdGenerator()
+    ours = PrivateRandomIdGenerator()
     assert first_ids(ours) != first_ids(ours)
     provider = TracerProvider()  # as vLLM installs it: the SDK default generator
     use_os_entropy(provider)
-    assert isinstance(provider.id_generator, OsRandomIdGenerator)
-    custom = OsRandomIdGenerator.__new__(type("Custom", (RandomIdGenerator.__base__,), {
+    assert isinstance(provider.id_generator, PrivateRandomIdGenerator)
+    custom = PrivateRandomIdGenerator.__new__(type("Custom", (RandomIdGenerator.__base__,), {
         "generate_span_id": lambda self: 1, "generate_trace_id": lambda self: 1}))
     mine = TracerProvider(id_generator=custom)
     use_os_entropy(mine)
     assert mine.id_generator is custom  # a user's own generator is left alone
+
+
+def test_a_forked_child_does_not_repeat_its_parents_span_ids():
+    """vLLM forks its engine processes: a child's copy of the id generator is re-seeded,
+    so its ids are not the ones the parent draws next."""
+    import multiprocessing
+
+    from connector.telemetry.tracing import PrivateRandomIdGenerator
+
+    ids = PrivateRandomIdGenerator()
+    ids.generate_span_id()  # state the child inherits
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=lambda: child_end.send([ids.generate_span_id() for _ in range(4)]))
+    child.start()
+    try:
+        assert parent_end.poll(60), "the forked child sent no ids"
+        from_child = parent_end.recv()
+    finally:
+        child.join(60)
+    assert set(from_child).isdisjoint(ids.generate_span_id() for _ in range(4))
 
 
 def test_push_fail_round_trip_and_what_is_refused():

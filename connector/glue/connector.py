@@ -109,12 +109,18 @@ class NixlPushConnector(StockNixlPushConnector):
             raise ConnectorConfigError(
                 f"vLLM's NixlPushConnector no longer builds its scheduler through {SCHEDULER_SEAM!r}; "
                 "this vLLM release is not supported by this connector version.")
+        if self.connector_worker is not None:
+            # vLLM asks for stats every step; a worker's come from the worker alone, so
+            # its connector answers with vLLM's method directly (one call less per step).
+            self.get_kv_connector_stats = super().get_kv_connector_stats
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.connector_worker is not None:
+        if self.connector_worker is not None:  # (bound to vLLM's in __init__; kept for safety)
             return super().get_kv_connector_stats()
         # Scheduler process: what its side-channel listener dropped (vLLM aggregates this
         # with the workers' stats each step).
+        if not listener.pending_rejections:  # the usual step: nothing dropped
+            return None
         rejected = listener.drain_rejected()
         if not rejected:
             return None

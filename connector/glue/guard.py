@@ -89,7 +89,6 @@ WORKER_CALLS: tuple[Call, ...] = (
     Call("worker", "_xfer_blocks", None, position=("request_id", 2)),
     Call("worker", "_log_failure", (_ANY, _ANY, _ANY, _ANY, _ANY), {"remote_engine_id": _ANY}),
     Call("worker", "get_transfer_results"),
-    Call("worker", "_get_new_notifs"),
     Call("worker", "_handle_push_reg_notif", (_ANY,)),
     Call("topology", "handshake_target_ranks", (_ANY, _ANY)),
     Call("stats", "__post_init__"),

@@ -92,6 +92,8 @@ _FLAVOR_BY_TRIGGER: dict[Trigger, tuple[Direction, bool]] = {
     Trigger.PUSH_REG_EARLY: (Direction.P_TO_D, False),
 }
 
+_NOTIF_ONLY_TRIGGERS = frozenset(t for t, (_, notif_only) in _FLAVOR_BY_TRIGGER.items() if notif_only)
+
 
 class TriggerScope:
     """`with` block during which this thread's handshakes are tagged with `trigger`.
@@ -141,12 +143,19 @@ class HandshakeFlow:
                           *args: Any, **kwargs: Any) -> Future | None:
         """Start (or join) the handshake to `engine_id`; None when already usable."""
         trigger = getattr(self._trigger_local, "trigger", None) or Trigger.OTHER
+        # Steady state (every heartbeat, PUSH_REG and WRITE to a known peer): connected,
+        # and the connection serves what is asked (any connection serves a D->P
+        # notification; a WRITE needs a full one). Everything else is decided below.
+        self._evict_stale_engines()
+        with self._handshake_lock:
+            if engine_id in self._remote_agents and (
+                    trigger in _NOTIF_ONLY_TRIGGERS or engine_id not in self._notif_only_engines):
+                return None
         # Every PUSH_REG and heartbeat asks: bind the optional arguments only when the
         # caller's own flavor request matters (an untagged caller) or a handshake starts.
         tail = None if trigger in _FLAVOR_BY_TRIGGER else bind_handshake_tail(args, kwargs)
         direction, notif_only = self._flavor_for(
             trigger, bool(tail and tail.get("notif_agents_only", False)))
-        self._evict_stale_engines()
         with self._handshake_lock:
             connected = engine_id in self._remote_agents
             if connected and (notif_only or engine_id not in self._notif_only_engines):

@@ -34,6 +34,8 @@ REBIND_BACKOFF_S = (0.05, 0.2, 1.0)
 
 _lock = threading.Lock()
 _rejected: Counter[str] = Counter()
+# Read-only alias for the scheduler's per-step check (cleared in place, never rebound).
+pending_rejections = _rejected
 _warned: set[str] = set()
 _bind_errors: dict[int, BaseException] = {}
 

@@ -30,7 +30,6 @@ from typing import Any
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.telemetry import errors
 from connector.telemetry.span_table import BoundedIdSet
 from connector.telemetry.tracing import peer_str
 from connector.vocabulary import (
@@ -40,7 +39,6 @@ from connector.vocabulary import (
     PUSH_REG_CAPS_KEY,
     PushFailReason,
     PushRegRejection,
-    TelemetryError,
     Trigger,
 )
 
@@ -161,16 +159,10 @@ class PushFailFlow:
                            peer_str(engine_id), d_id)
 
     # ------------------------------------------------------------------ D side
-    def _get_new_notifs(self) -> set[str]:
-        if self._pending_completion_notifs.push_fails:  # rare: one deque check per step
-            try:
-                self._take_push_fail_notifs()
-            except Exception as exc:
-                errors.note(TelemetryError.STATS, exc)
-        return super()._get_new_notifs()
-
     def _take_push_fail_notifs(self) -> None:
-        """D (main thread): act on the PUSH_FAILs the writer set aside (see `NotifInbox`)."""
+        """D (main thread): act on the PUSH_FAILs the writer set aside (see `NotifInbox`).
+        The worker's `get_transfer_results` calls it when the deque is not empty, before
+        vLLM's, which then fails the receives named here."""
         pending = self._pending_completion_notifs.push_fails
         while pending:
             self._on_push_fail(pending.popleft())

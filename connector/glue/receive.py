@@ -13,7 +13,6 @@ import logging
 from typing import Any
 
 from opentelemetry.trace import SpanKind
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
 from connector.telemetry import errors
 from connector.telemetry.tracing import (
@@ -41,18 +40,9 @@ logger = logging.getLogger(__name__)
 class ReceiveFlow:
     """Mixin for `NixlPushConnectorWorker`: the decode side of a push."""
 
-    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
-        # (vLLM skips the whole step on these ranks; so do we.)
-        if metadata.push_registrations and not (
-                getattr(self, "pcp_rank", 0) > 0 and not getattr(self, "pcp_dcp_sharded", False)):
-            try:
-                self._start_receives(metadata.push_registrations)
-            except Exception as exc:
-                errors.note(TelemetryError.STATS, exc)
-        super().start_load_kv(metadata)
-
     def _start_receives(self, registrations: dict[str, dict[str, Any]]) -> None:
-        """Time every receive (histogram); open its span when tracing is on."""
+        """Time every receive (histogram); open its span when tracing is on. (Called
+        from the worker's `start_load_kv` with the registrations vLLM hands over.)"""
         for req_id in registrations:
             self._receive_clock.start(req_id)
         if self._spans.enabled:
@@ -67,17 +57,11 @@ class ReceiveFlow:
                 # The request's own trace (from our scheduler) or, without one, a root.
                 SPAN_PUSH_RECEIVE, parent=extract_context(reg.get(REGISTRATION_TRACE_KEY)),
                 kind=SpanKind.CONSUMER,
-                attributes={Attr.REQUEST_ID: req_id,
-                            Attr.LOCAL_ENGINE_ID: self.engine_id,
-                            Attr.REMOTE_ENGINE_ID: peer_str(reg.get("remote_engine_id", "")),
-                            Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
-
-    def _send_heartbeats(self, metadata: NixlConnectorMetadata) -> None:
-        if not metadata.heartbeat_by_engine:  # most steps: nothing to send, nothing to tag
-            super()._send_heartbeats(metadata)
-            return
-        with self._triggered_by(Trigger.HEARTBEAT):
-            super()._send_heartbeats(metadata)
+                attributes=lambda req_id=req_id, reg=reg: {  # only for a span that may be kept
+                    Attr.REQUEST_ID: req_id,
+                    Attr.LOCAL_ENGINE_ID: self.engine_id,
+                    Attr.REMOTE_ENGINE_ID: peer_str(reg.get("remote_engine_id", "")),
+                    Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
 
     def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
         # Tell P we understand PUSH_FAIL (push_fail.py); a stock P ignores the key.
@@ -89,8 +73,16 @@ class ReceiveFlow:
                 span, reg_data = self._open_register_span(req_id, reg_data)
             except Exception as exc:
                 errors.note(TelemetryError.SPAN, exc)
-        with activated(span), self._triggered_by(Trigger.PUSH_REG):
-            super()._send_registration_to_p(req_id, reg_data)
+        local = self._trigger_local  # (tagged inline: this runs for every request)
+        previous, local.trigger = getattr(local, "trigger", None), Trigger.PUSH_REG
+        try:
+            if span is None:
+                super()._send_registration_to_p(req_id, reg_data)
+            else:
+                with activated(span):
+                    super()._send_registration_to_p(req_id, reg_data)
+        finally:
+            local.trigger = previous
 
     def _open_register_span(self, req_id: str,
                             reg_data: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -119,7 +111,9 @@ class ReceiveFlow:
 
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
         with self._handshake_lock:
-            num_agents = len(self._remote_agents.get(reg_data.get("remote_engine_id")) or {})
+            # (`dict.get`: the table hides an engine only from the handshake thread's
+            # own lookups; this is the writer thread, so the plain lookup is the same.)
+            num_agents = len(dict.get(self._remote_agents, reg_data.get("remote_engine_id")) or ())
         self._trigger_local.reg_failures = 0
         super()._do_send_reg_notif(req_id, reg_data)
         failed = self._trigger_local.reg_failures if num_agents else 1
@@ -128,6 +122,8 @@ class ReceiveFlow:
                 self.xfer_stats.record_push_reg_notif(sent=True)
             if not num_agents:
                 self.xfer_stats.record_push_reg_notif(sent=False)
+            if not self._spans.enabled:
+                return
             span = self._register_spans.pop(req_id)
             if failed >= max(num_agents, 1):
                 SpanEmitter.end(span, error_type="push_reg_notif_failed",

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import logger as vllm_logger
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import ReqMeta
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+    ReqMeta,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
 )
@@ -38,7 +42,7 @@ from connector.telemetry.receives import ReceiveClock
 from connector.telemetry.span_table import BoundedIdSet, SpanTable
 from connector.telemetry.stats import ObservedNixlStats
 from connector.telemetry.tracing import SpanEmitter, resolve_tracer, span_ids
-from connector.vocabulary import ReceiveOutcome, StatKey, TelemetryError
+from connector.vocabulary import ReceiveOutcome, StatKey, TelemetryError, Trigger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,6 +59,7 @@ _RECEIVE_FAILURES = frozenset({"push_reg_handshake_failed"})
 # vLLM's default for the D-side registration watchdog (`push_registration_timeout`,
 # itself defaulting to `decoder_kv_blocks_ttl`).
 DEFAULT_REGISTRATION_TIMEOUT_S = 480.0
+_SUCCESS, _FAILURE = ReceiveOutcome.SUCCESS.value, ReceiveOutcome.FAILURE.value
 
 
 class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, NixlPushConnectorWorker):
@@ -97,19 +102,60 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         self._write_deferred_at: dict[str, float] = {}
         self._in_flight = InFlight()
 
-    # ------------------------------------------------------------------ stats
+    # ------------------------------------------------------------- every step
+    # vLLM calls these on the engine's main thread every step, mostly with nothing
+    # for us to do: each idle step costs attribute tests, not calls into the flows.
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        """D: time (and trace) the receives handed over; P: keep the request contexts
+        the write spans link to. Then vLLM's step, its heartbeats tagged."""
+        if metadata.push_registrations and not (
+                getattr(self, "pcp_rank", 0) > 0 and not getattr(self, "pcp_dcp_sharded", False)):
+            # (vLLM skips the whole step on these ranks; so do we.)
+            try:
+                self._start_receives(metadata.push_registrations)
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)
+        if self._spans.enabled:
+            self._keep_request_contexts(metadata)
+        if not metadata.heartbeat_by_engine:  # most steps
+            super().start_load_kv(metadata)
+            return
+        # vLLM sends the step's heartbeats (`_send_heartbeats`) at the end of this call,
+        # the only place in it that may start a handshake: tag those as the heartbeat's.
+        local = self._trigger_local
+        previous, local.trigger = getattr(local, "trigger", None), Trigger.HEARTBEAT
+        try:
+            super().start_load_kv(metadata)
+        finally:
+            local.trigger = previous
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """vLLM's per-step stats, plus the in-flight handshakes and telemetry faults."""
-        try:
-            snapshot = self._in_flight.snapshot()
-            if snapshot is not None:
-                self.xfer_stats.set_in_flight(snapshot)
-            lost = errors.drain()
-            if lost:
-                self.xfer_stats.record_telemetry_errors(lost)
-        except Exception as exc:
-            errors.note(TelemetryError.STATS, exc)
+        if self._in_flight.to_report or errors.pending:
+            try:
+                snapshot = self._in_flight.snapshot()
+                if snapshot is not None:
+                    self.xfer_stats.set_in_flight(snapshot)
+                lost = errors.drain()
+                if lost:
+                    self.xfer_stats.record_telemetry_errors(lost)
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)
         return super().get_kv_connector_stats()
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        if self._pending_completion_notifs.push_fails:  # rare: D was told a push will not come
+            try:
+                self._take_push_fail_notifs()  # before vLLM drains its failed receives
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)
+        results = super().get_transfer_results()
+        if results.finished_sending or results.finished_recving or self._receive_clock.waiting:
+            try:
+                self._account_results(results)
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)
+        return results
 
     # ------------------------------------------------------------- failures
     def _log_failure(self, failure_type: str, req_id: str | None, msg: str = "",
@@ -153,45 +199,46 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
             SpanEmitter.end(self._register_spans.pop(req_id), error_type=failure_type, message=str(why))
             SpanEmitter.end(self._receive_spans.pop(req_id), error_type=failure_type, message=str(why))
 
-    def get_transfer_results(self) -> KVConnectorTransferResults:
-        results = super().get_transfer_results()
-        try:
-            self._account_results(results)
-        except Exception as exc:
-            errors.note(TelemetryError.STATS, exc)
-        return results
-
     def _account_results(self, results: KVConnectorTransferResults) -> None:
-        if not (results.finished_sending or results.finished_recving or self._receive_clock):
-            return  # the idle step
+        tracing = self._spans.enabled  # (without it the span tables stay empty: no lookups)
         for req_id in results.finished_sending:
             with self._push_lock:
                 pushed = req_id in self._pushing
                 failed = req_id in self._push_failed
-                self._pushing.discard(req_id)
-                self._push_failed.discard(req_id)
+                self._pushing.pop(req_id, None)
+                self._push_failed.pop(req_id, None)
                 if not pushed:
                     self._lease_expired.add(req_id)
                     self._note_lease_expired(req_id)
-            span = self._write_spans.pop(req_id)
-            self._request_contexts.pop(req_id)
             if pushed and not failed:
                 self.xfer_stats.record_push(StatKey.PUSHES_COMPLETED)
-                SpanEmitter.end(span)
-            elif span is not None:
-                SpanEmitter.end(span, error_type="lease_expired",
-                                message="KV lease ended before the WRITE completed")
+            if tracing:
+                span = self._write_spans.pop(req_id)
+                self._request_contexts.pop(req_id)
+                if pushed and not failed:
+                    SpanEmitter.end(span)
+                elif span is not None:
+                    SpanEmitter.end(span, error_type="lease_expired",
+                                    message="KV lease ended before the WRITE completed")
+        clock = self._receive_clock
         for req_id in results.finished_recving:
+            failed = req_id in results.failed_recving
+            seconds = clock.stop(req_id)
+            if not tracing:
+                if seconds is not None:
+                    self.xfer_stats.record_receive(_FAILURE if failed else _SUCCESS, seconds, None)
+                continue
             SpanEmitter.end(self._register_spans.pop(req_id))
             span = self._receive_spans.pop(req_id)
-            failed = req_id in results.failed_recving
             self._record_receive(req_id, ReceiveOutcome.FAILURE if failed else ReceiveOutcome.SUCCESS,
-                                 self._receive_clock.stop(req_id), span)
+                                 seconds, span)
             if failed:
                 SpanEmitter.end(span, error_type="receive_failed", message="KV receive failed")
             else:
                 SpanEmitter.end(span)
-        for req_id, seconds in self._receive_clock.pop_expired():
+        if not clock.waiting or time.monotonic() < clock.next_expiry:
+            return  # no receive can have expired yet
+        for req_id, seconds in clock.pop_expired():
             SpanEmitter.end(self._register_spans.pop(req_id))
             span = self._receive_spans.pop(req_id)
             self._record_receive(req_id, ReceiveOutcome.EXPIRED, seconds, span)

@@ -34,9 +34,9 @@ class RouterTracing:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "router")})
-        from connector.telemetry.tracing import OsRandomIdGenerator
+        from connector.telemetry.tracing import PrivateRandomIdGenerator
 
-        self.provider = TracerProvider(resource=resource, id_generator=OsRandomIdGenerator())
+        self.provider = TracerProvider(resource=resource, id_generator=PrivateRandomIdGenerator())
         self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
         self.tracer = self.provider.get_tracer(ROUTER_TRACER_NAME)
 

@@ -20,6 +20,9 @@ logger = logging.getLogger("connector.telemetry")
 _lock = threading.Lock()
 _counts: Counter[str] = Counter()
 _warned: set[str] = set()
+# Read-only view for the per-step check (`if errors.pending: errors.drain()`): the
+# same object, cleared in place, so a truth test costs no call on the idle step.
+pending = _counts
 
 
 def note(reason: TelemetryError, detail: object = "", exc_info: bool = True, count: int = 1) -> None:

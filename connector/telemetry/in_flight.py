@@ -21,18 +21,27 @@ def in_flight_key(direction: str, notif_only: bool) -> str:
 
 
 class InFlight:
+    """Open handshake records; `to_report` is read by the per-step caller without a
+    call (an idle step then costs one attribute test)."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[int, HandshakeRecord] = {}
         self._reported_open = False
+        self.to_report = False  # something open, or a last snapshot (back to 0) owed
+
+    def _update(self) -> None:  # (lock held)
+        self.to_report = bool(self._open) or self._reported_open
 
     def add(self, record: HandshakeRecord) -> None:
         with self._lock:
             self._open[id(record)] = record
+            self._update()
 
     def discard(self, record: HandshakeRecord) -> None:
         with self._lock:
             self._open.pop(id(record), None)
+            self._update()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -47,6 +56,7 @@ class InFlight:
             if not records and not self._reported_open:
                 return None
             self._reported_open = bool(records)
+            self._update()
         out: dict[str, list[float]] = {}
         for rec in records:
             entry = out.setdefault(in_flight_key(rec.direction.value, rec.notif_only), [0, 0.0])

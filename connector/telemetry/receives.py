@@ -23,46 +23,50 @@ class ReceiveClock:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._started: OrderedDict[str, float] = OrderedDict()
-        # No receive can expire before this (the oldest start + timeout, or earlier when
-        # the oldest was stopped meanwhile): steps before it skip the lock.
-        self._next_expiry = float("inf")
+        # Public for the per-step check without a call: `waiting` (truthy while any
+        # receive is open) and `next_expiry` (no receive can expire before it: the
+        # oldest start + timeout, or earlier when the oldest was stopped meanwhile).
+        self.waiting: OrderedDict[str, float] = OrderedDict()
+        self.next_expiry = float("inf")
 
     def start(self, req_id: str, now: float | None = None) -> None:
+        started = time.monotonic() if now is None else now
+        waiting = self.waiting
         with self._lock:
-            if req_id in self._started:  # a re-sent registration keeps its first start
+            if req_id in waiting:  # a re-sent registration keeps its first start
                 return
-            started = self._started[req_id] = time.monotonic() if now is None else now
-            self._next_expiry = min(self._next_expiry, started + self.timeout_s)
-            while len(self._started) > MAX_TRACKED_REQUESTS:
-                self._started.popitem(last=False)
+            waiting[req_id] = started
+            if started + self.timeout_s < self.next_expiry:
+                self.next_expiry = started + self.timeout_s
+            if len(waiting) > MAX_TRACKED_REQUESTS:
+                waiting.popitem(last=False)
 
     def stop(self, req_id: str, now: float | None = None) -> float | None:
         """Seconds since the receive started; None for a receive we never saw start."""
         with self._lock:
-            started = self._started.pop(req_id, None)
+            started = self.waiting.pop(req_id, None)
         if started is None:
             return None
         return max(0.0, (time.monotonic() if now is None else now) - started)
 
     def pop_expired(self, now: float | None = None) -> list[tuple[str, float]]:
         """Receives older than the timeout, removed, with their age in seconds."""
-        if not self._started:  # no receive open: no lock, no clock read
+        if not self.waiting:  # no receive open: no lock, no clock read
             return []
         now = time.monotonic() if now is None else now
-        if now < self._next_expiry:  # nothing old enough yet: no lock
+        if now < self.next_expiry:  # nothing old enough yet: no lock
             return []
         out: list[tuple[str, float]] = []
         with self._lock:
-            self._next_expiry = float("inf")
-            while self._started:
-                req_id, started = next(iter(self._started.items()))
+            self.next_expiry = float("inf")
+            while self.waiting:
+                req_id, started = next(iter(self.waiting.items()))
                 if now - started < self.timeout_s:
-                    self._next_expiry = started + self.timeout_s
+                    self.next_expiry = started + self.timeout_s
                     break
-                self._started.popitem(last=False)
+                self.waiting.popitem(last=False)
                 out.append((req_id, now - started))
         return out
 
     def __len__(self) -> int:
-        return len(self._started)
+        return len(self.waiting)

@@ -69,28 +69,26 @@ class SpanTable:
         return len(self._spans)
 
 
-class BoundedIdSet:
-    """Insertion-ordered set of request ids; past its limit the OLDEST is dropped."""
+class BoundedIdSet(OrderedDict):
+    """Insertion-ordered set of request ids; past its limit the OLDEST is dropped.
+
+    An `OrderedDict` of id -> None, so membership, size and `pop(id, None)` are the
+    dict's own C calls: the push path asks them for every request.
+    """
 
     def __init__(self, limit: int = MAX_TRACKED_REQUESTS) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        super().__init__()
         self._limit = limit
 
     def add(self, req_id: str) -> bool:
         """Add; True when it was not there. Caller holds its own lock."""
-        if req_id in self._ids:
+        if req_id in self:
             return False
-        self._ids[req_id] = None
-        while len(self._ids) > self._limit:
-            self._ids.popitem(last=False)
+        self[req_id] = None
+        while len(self) > self._limit:
+            self.popitem(last=False)
             errors.note(TelemetryError.TABLE_FULL, "tracked push ids", exc_info=False)
         return True
 
     def discard(self, req_id: str) -> None:
-        self._ids.pop(req_id, None)
-
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._ids
-
-    def __len__(self) -> int:
-        return len(self._ids)
+        self.pop(req_id, None)

@@ -16,10 +16,10 @@ _exporter: InMemorySpanExporter | None = None
 def install_memory_tracer(service_name: str = "vllm") -> InMemorySpanExporter:
     """Install a global SDK provider that keeps finished spans in memory."""
     global _exporter
-    from connector.telemetry.tracing import OsRandomIdGenerator
+    from connector.telemetry.tracing import PrivateRandomIdGenerator
 
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}),
-                              id_generator=OsRandomIdGenerator())
+                              id_generator=PrivateRandomIdGenerator())
     _exporter = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(_exporter))
     trace.set_tracer_provider(provider)
