@@ -115,6 +115,8 @@ def test_lean_spans_export_the_same_bytes_as_sdk_spans():
     sampling.ParentBased(sampling.ALWAYS_OFF),
     sampling.ALWAYS_OFF,
     sampling.TraceIdRatioBased(0.5),  # keeps our small root trace ids, drops the remote one
+    # Parent-based, but not keeping every child of a sampled remote parent: asked each time.
+    sampling.ParentBased(sampling.ALWAYS_ON, remote_parent_sampled=sampling.ALWAYS_OFF),
 ])
 def test_lean_spans_follow_the_providers_sampler(sampler):
     sdk_spans, sdk_finished, lean_spans, lean_finished = _sdk_and_lean(sampler)
@@ -123,6 +125,32 @@ def test_lean_spans_follow_the_providers_sampler(sampler):
         assert isinstance(sdk, NonRecordingSpan) is isinstance(lean, NonRecordingSpan)
         assert sdk.get_span_context() == lean.get_span_context()
     assert encode_spans(lean_finished).SerializeToString() == encode_spans(sdk_finished).SerializeToString()
+
+
+def test_children_of_sampled_parents_skip_the_default_sampler_and_export_the_same():
+    """With the default parent-based sampler a sampled parent's child is always kept:
+    the lean tracer then does not ask the sampler (the exported bytes stay the SDK's,
+    see above); roots are still asked."""
+    asked = []
+
+    class Spy(sampling.ParentBased):
+        def should_sample(self, parent_context, *args, **kwargs):
+            asked.append(parent_context)
+            return super().should_sample(parent_context, *args, **kwargs)
+
+    provider, processor, _ = _pair()
+    provider.sampler = Spy(sampling.ALWAYS_ON)
+    lean = LeanTracer(provider, processor, TRACER_NAME)
+    assert not lean._follows_sampled_parents  # a subclass may decide otherwise: asked
+    _drive(lean)
+    assert len(asked) == 3
+    asked.clear()
+    provider.sampler = sampling.ParentBased(sampling.ALWAYS_ON)
+    lean = LeanTracer(provider, processor, TRACER_NAME)
+    provider.sampler = Spy(sampling.ALWAYS_ON)  # (what the lean tracer would ask, if it did)
+    lean._sampler = provider.sampler
+    _drive(lean)
+    assert len(asked) == 1  # only the root
 
 
 def test_attribute_limits_of_the_environment_apply(monkeypatch):

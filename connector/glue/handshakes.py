@@ -96,25 +96,30 @@ _NOTIF_ONLY_TRIGGERS = frozenset(t for t, (_, notif_only) in _FLAVOR_BY_TRIGGER.
 
 
 class TriggerScope:
-    """`with` block during which this thread's handshakes are tagged with `trigger`.
+    """`with` block during which this thread's handshakes are tagged with `trigger`
+    and, when tracing, parented on `parent` (a span or an OTel context).
 
-    A small class rather than a generator context manager: it runs on the writer
-    thread for every push, and this costs a third as much.
+    The scope lives in the worker's thread-local (`trigger`, `parent`), not in OTel's
+    current context: a handshake reads it only when it starts, which is rare, while
+    attaching a context costs a dozen calls on every push. The per-request paths set
+    the two attributes inline (see push.py, receive.py); this class is for the others.
     """
 
-    __slots__ = ("_local", "_previous", "_trigger")
+    __slots__ = ("_local", "_parent", "_previous", "_trigger")
 
-    def __init__(self, local: threading.local, trigger: Trigger):
+    def __init__(self, local: threading.local, trigger: Trigger, parent: Any = None):
         self._local = local
         self._trigger = trigger
-        self._previous: Trigger | None = None
+        self._parent = parent
+        self._previous: tuple[Any, Any] = (None, None)
 
     def __enter__(self) -> None:
-        self._previous = getattr(self._local, "trigger", None)
-        self._local.trigger = self._trigger
+        local = self._local
+        self._previous = (getattr(local, "trigger", None), getattr(local, "parent", None))
+        local.trigger, local.parent = self._trigger, self._parent
 
     def __exit__(self, *exc: object) -> None:
-        self._local.trigger = self._previous
+        self._local.trigger, self._local.parent = self._previous
 
 
 class HandshakeFlow:
@@ -126,8 +131,18 @@ class HandshakeFlow:
     """
 
     # ------------------------------------------------------------------ triggers
-    def _triggered_by(self, trigger: Trigger) -> TriggerScope:
-        return TriggerScope(self._trigger_local, trigger)
+    def _triggered_by(self, trigger: Trigger, parent: Any = None) -> TriggerScope:
+        return TriggerScope(self._trigger_local, trigger, parent)
+
+    def _scope_parent(self) -> Any:
+        """The OTel context a handshake starting now is parented on: the scope's
+        parent (see `TriggerScope`), else the thread's current context."""
+        parent = getattr(self._trigger_local, "parent", None)
+        if parent is None:
+            return otel_context.get_current()
+        if isinstance(parent, otel_context.Context):
+            return parent
+        return trace.set_span_in_context(parent)
 
     def _flavor_for(self, trigger: Trigger, requested_notif_only: bool) -> tuple[Direction, bool]:
         """Direction and flavor of a handshake from what started it."""
@@ -188,7 +203,7 @@ class HandshakeFlow:
         if not self._spans.enabled:
             return
         try:
-            span = trace.get_current_span()
+            span = trace.get_current_span(self._scope_parent())
             if span.is_recording():
                 span.add_event("nixl.handshake.joined", {Attr.REMOTE_ENGINE_ID: engine_id,
                                                           Attr.NOTIF_AGENTS_ONLY: notif_only})
@@ -210,7 +225,7 @@ class HandshakeFlow:
         job = _HandshakeJob(outer=outer, engine_id=engine_id, host=host, port=int(port),
                             tp_size=int(tp_size), tail=tail, direction=direction, trigger=trigger,
                             notif_only=notif_only, upgrade=upgrade,
-                            parent_context=otel_context.get_current() if self._spans.enabled else None,
+                            parent_context=self._scope_parent() if self._spans.enabled else None,
                             deadline=time.monotonic() + self._retry_policy.budget_s)
         self._handshake_futures[engine_id] = outer
         self._pending_jobs[engine_id] = job

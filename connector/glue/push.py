@@ -34,8 +34,6 @@ from connector.telemetry import errors
 from connector.telemetry.span_table import MAX_TRACKED_REQUESTS
 from connector.telemetry.tracing import (
     SpanEmitter,
-    activated,
-    activated_context,
     context_link,
     extract_context,
     peer_str,
@@ -214,7 +212,7 @@ class PushFlow:
         try:
             # Its span sits in the request's trace, under D's register span.
             parent = _decoder_context(reg) if self._spans.enabled else None
-            with activated_context(parent), self._triggered_by(Trigger.PUSH_REG_EARLY):
+            with self._triggered_by(Trigger.PUSH_REG_EARLY, parent):
                 self._ensure_handshake(reg["decode_engine_id"], reg["decode_host"],
                                        reg["decode_port"], reg["decode_tp_size"])
         except Exception:
@@ -257,22 +255,19 @@ class PushFlow:
         if span is not None or self._write_deferred_at:  # else: nothing to note
             # Before the WRITE is posted: once it is, P's main thread may end the span.
             self._note_handshake_wait(request_id, span)
-        # The handshake this WRITE may start is tagged with its trigger (set inline,
-        # not with `_triggered_by`: this runs for every push).
-        previous, local.trigger = getattr(local, "trigger", None), Trigger.PUSH_WRITE
+        # The handshake this WRITE may start is tagged with its trigger and parented on
+        # its span (the scope of `_triggered_by`, set inline: this runs for every push).
+        previous = getattr(local, "trigger", None), getattr(local, "parent", None)
+        local.trigger, local.parent = Trigger.PUSH_WRITE, span
         try:
-            if span is None:
-                super()._do_start_push_kv(request_id, local_block_ids, registration_data)
-            else:
-                with activated(span):
-                    super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+            super()._do_start_push_kv(request_id, local_block_ids, registration_data)
         except Exception as exc:
             # Upstream this escapes into the writer's batch loop and drops the rest of
             # the batch. It costs this request only (its lease reclaims the blocks).
             self._log_failure(failure_type="transfer_setup_failed", req_id=request_id,
                               msg="push could not start", error=exc)
         finally:
-            local.trigger = previous
+            local.trigger, local.parent = previous
         if local.deferred:
             self._note_deferred(request_id)
 

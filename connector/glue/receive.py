@@ -17,7 +17,6 @@ from opentelemetry.trace import SpanKind
 from connector.telemetry import errors
 from connector.telemetry.tracing import (
     SpanEmitter,
-    activated,
     extract_context,
     inject_context,
     peer_str,
@@ -73,16 +72,15 @@ class ReceiveFlow:
                 span, reg_data = self._open_register_span(req_id, reg_data)
             except Exception as exc:
                 errors.note(TelemetryError.SPAN, exc)
-        local = self._trigger_local  # (tagged inline: this runs for every request)
-        previous, local.trigger = getattr(local, "trigger", None), Trigger.PUSH_REG
+        # A handshake this starts is tagged PUSH_REG and parented on the register span
+        # (the scope of `_triggered_by`, set inline: this runs for every request).
+        local = self._trigger_local
+        previous = getattr(local, "trigger", None), getattr(local, "parent", None)
+        local.trigger, local.parent = Trigger.PUSH_REG, span
         try:
-            if span is None:
-                super()._send_registration_to_p(req_id, reg_data)
-            else:
-                with activated(span):
-                    super()._send_registration_to_p(req_id, reg_data)
+            super()._send_registration_to_p(req_id, reg_data)
         finally:
-            local.trigger = previous
+            local.trigger, local.parent = previous
 
     def _open_register_span(self, req_id: str,
                             reg_data: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

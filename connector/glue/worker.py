@@ -123,11 +123,12 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         # vLLM sends the step's heartbeats (`_send_heartbeats`) at the end of this call,
         # the only place in it that may start a handshake: tag those as the heartbeat's.
         local = self._trigger_local
-        previous, local.trigger = getattr(local, "trigger", None), Trigger.HEARTBEAT
+        previous = getattr(local, "trigger", None), getattr(local, "parent", None)
+        local.trigger, local.parent = Trigger.HEARTBEAT, None  # (a heartbeat's are roots)
         try:
             super().start_load_kv(metadata)
         finally:
-            local.trigger = previous
+            local.trigger, local.parent = previous
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """vLLM's per-step stats, plus the in-flight handshakes and telemetry faults."""
@@ -150,7 +151,9 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
         results = super().get_transfer_results()
-        if results.finished_sending or results.finished_recving or self._receive_clock.waiting:
+        clock = self._receive_clock
+        if results.finished_sending or results.finished_recving or (
+                clock.waiting and time.monotonic() >= clock.next_expiry):
             try:
                 self._account_results(results)
             except Exception as exc:
@@ -236,9 +239,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
                 SpanEmitter.end(span, error_type="receive_failed", message="KV receive failed")
             else:
                 SpanEmitter.end(span)
-        if not clock.waiting or time.monotonic() < clock.next_expiry:
-            return  # no receive can have expired yet
-        for req_id, seconds in clock.pop_expired():
+        for req_id, seconds in clock.pop_expired():  # (no lock, no clock read while none can be)
             SpanEmitter.end(self._register_spans.pop(req_id))
             span = self._receive_spans.pop(req_id)
             self._record_receive(req_id, ReceiveOutcome.EXPIRED, seconds, span)

@@ -64,6 +64,7 @@ class LeanTracer:
         self.max_value_length = limits.max_span_attribute_length
         self._sdk_tracer = provider.get_tracer(name, version)
         self._checked: Any = None  # the provider's processor tuple last found to be ours alone
+        self._follows_sampled_parents = _keeps_children_of_sampled_parents(self._sampler)
 
     def is_current(self) -> bool:
         """Still the provider's only processor (else SDK spans, which reach them all).
@@ -97,6 +98,13 @@ class LeanTracer:
         else:
             trace_id = parent.trace_id
             random_id = bool(int(parent.trace_flags) & _RANDOM)
+            if self._follows_sampled_parents and parent.trace_flags.sampled:
+                # What the sampler would answer, without asking it: recorded and
+                # sampled, with the parent's trace state.
+                flags = TraceFlags(_SAMPLED | _RANDOM) if random_id and _RANDOM else _SAMPLED
+                span_context = SpanContext(trace_id, self._ids.generate_span_id(), is_remote=False,
+                                           trace_flags=flags, trace_state=parent.trace_state)
+                return LeanSpan(self, name, span_context, parent, kind, attributes, links, start_time)
         result = self._sampler.should_sample(context, trace_id, name, kind, attributes, links)
         flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
         if random_id and _RANDOM:
@@ -107,6 +115,17 @@ class LeanTracer:
             return trace.NonRecordingSpan(span_context)
         return LeanSpan(self, name, span_context, parent, kind, result.attributes, links,
                         start_time)
+
+
+def _keeps_children_of_sampled_parents(sampler: Any) -> bool:
+    """The SDK's parent-based sampler with its default delegates for a sampled parent
+    (`ALWAYS_ON`, local and remote): it then records and samples every child of a
+    sampled parent (the default `parentbased_always_on`, and `parentbased_traceidratio`)."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+    return (type(sampler) is ParentBased
+            and getattr(sampler, "_remote_parent_sampled", None) is ALWAYS_ON
+            and getattr(sampler, "_local_parent_sampled", None) is ALWAYS_ON)
 
 
 class LeanSpan(trace.Span):

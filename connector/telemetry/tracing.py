@@ -16,7 +16,6 @@ import os
 import random
 import threading
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -234,8 +233,8 @@ def inject_context(span: Any) -> dict[str, str]:
 
 def extract_context(carrier: Any) -> Any:
     """Context from a carrier dict; None for a missing or malformed carrier."""
-    if not isinstance(carrier, Mapping) or not carrier:
-        return None
+    if not carrier or (type(carrier) is not dict and not isinstance(carrier, Mapping)):
+        return None  # (a plain dict, what msgpack gives, skips the ABC check)
     if len(carrier) > 8:
         errors.note(TelemetryError.TRACE_CONTEXT, f"{len(carrier)} keys", exc_info=False)
         return None
@@ -308,35 +307,6 @@ def peer_str(value: Any) -> str:
     """A peer-sent value as a bounded span attribute (peers are unauthenticated)."""
     text = value if isinstance(value, str) else str(value)
     return text[:MAX_PEER_STRING]
-
-
-class _Attached:
-    """Makes a context current on this thread for a `with` block."""
-
-    __slots__ = ("_ctx", "_token")
-
-    def __init__(self, ctx: Any) -> None:
-        self._ctx = ctx
-
-    def __enter__(self) -> None:
-        self._token = otel_context.attach(self._ctx)
-
-    def __exit__(self, *exc: object) -> None:
-        otel_context.detach(self._token)
-
-
-# Shared by every untraced call: the push path enters one per WRITE and PUSH_REG.
-_NOTHING = nullcontext()
-
-
-def activated(span: Any) -> AbstractContextManager[None]:
-    """Make `span` current on this thread for the duration (no-op for None)."""
-    return _NOTHING if span is None else _Attached(trace.set_span_in_context(span))
-
-
-def activated_context(ctx: Any) -> AbstractContextManager[None]:
-    """Make an extracted context current on this thread (no-op for None)."""
-    return _NOTHING if ctx is None else _Attached(ctx)
 
 
 class SpanEmitter:
