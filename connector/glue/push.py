@@ -57,6 +57,7 @@ from connector.vocabulary import (
 logger = logging.getLogger(__name__)
 
 _PUSH_REG_PREFIX = b"PUSH_REG:"
+_PREFILL_REQUEST_LINK = {Attr.LINK_ROLE: LinkRole.PREFILL_REQUEST.value}  # (copied per link)
 _XFER_BLOCKS_SIG = inspect.signature(NixlPushConnectorWorker._xfer_blocks)
 # Where `request_id` sits among the positional arguments after self (the WRITE path
 # passes it positionally; binding the whole signature per WRITE cost ~5 us).
@@ -167,7 +168,7 @@ class PushFlow:
         parent = _decoder_context(registration_data)
         if parent is None:
             return own, None
-        link = context_link(own, {Attr.LINK_ROLE: LinkRole.PREFILL_REQUEST.value})
+        link = context_link(own, _PREFILL_REQUEST_LINK)
         return parent, [link] if link is not None else None
 
     # --------------------------------------------------------- PUSH_REG intake

@@ -42,7 +42,13 @@ from connector.telemetry.receives import ReceiveClock
 from connector.telemetry.span_table import BoundedIdSet, SpanTable
 from connector.telemetry.stats import ObservedNixlStats
 from connector.telemetry.tracing import SpanEmitter, resolve_tracer, span_ids
-from connector.vocabulary import ReceiveOutcome, StatKey, TelemetryError, Trigger
+from connector.vocabulary import (
+    METADATA_TRACE_ATTR,
+    ReceiveOutcome,
+    StatKey,
+    TelemetryError,
+    Trigger,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,7 +65,9 @@ _RECEIVE_FAILURES = frozenset({"push_reg_handshake_failed"})
 # vLLM's default for the D-side registration watchdog (`push_registration_timeout`,
 # itself defaulting to `decoder_kv_blocks_ttl`).
 DEFAULT_REGISTRATION_TIMEOUT_S = 480.0
-_SUCCESS, _FAILURE = ReceiveOutcome.SUCCESS.value, ReceiveOutcome.FAILURE.value
+# (Plain strings: an enum's `.value` is a Python-level property, read per request.)
+_SUCCESS, _FAILURE, _EXPIRED = (o.value for o in (ReceiveOutcome.SUCCESS, ReceiveOutcome.FAILURE,
+                                                  ReceiveOutcome.EXPIRED))
 
 
 class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, NixlPushConnectorWorker):
@@ -115,7 +123,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
                 self._start_receives(metadata.push_registrations)
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
-        if self._spans.enabled:
+        if self._spans.enabled and getattr(metadata, METADATA_TRACE_ATTR, None):
             self._keep_request_contexts(metadata)
         if not metadata.heartbeat_by_engine:  # most steps
             super().start_load_kv(metadata)
@@ -233,8 +241,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
                 continue
             SpanEmitter.end(self._register_spans.pop(req_id))
             span = self._receive_spans.pop(req_id)
-            self._record_receive(req_id, ReceiveOutcome.FAILURE if failed else ReceiveOutcome.SUCCESS,
-                                 seconds, span)
+            self._record_receive(_FAILURE if failed else _SUCCESS, seconds, span)
             if failed:
                 SpanEmitter.end(span, error_type="receive_failed", message="KV receive failed")
             else:
@@ -242,11 +249,10 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         for req_id, seconds in clock.pop_expired():  # (no lock, no clock read while none can be)
             SpanEmitter.end(self._register_spans.pop(req_id))
             span = self._receive_spans.pop(req_id)
-            self._record_receive(req_id, ReceiveOutcome.EXPIRED, seconds, span)
+            self._record_receive(_EXPIRED, seconds, span)
             SpanEmitter.end(span, error_type="expired",
                             message="no KV landed within the registration timeout")
 
-    def _record_receive(self, req_id: str, outcome: ReceiveOutcome, seconds: float | None,
-                        span: Any) -> None:
+    def _record_receive(self, outcome: str, seconds: float | None, span: Any) -> None:
         if seconds is not None:
-            self.xfer_stats.record_receive(outcome.value, seconds, span_ids(span))
+            self.xfer_stats.record_receive(outcome, seconds, span_ids(span))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -184,7 +185,8 @@ def install_provider(exporter: Any) -> Any:
     return _own_provider
 
 
-_HEX = frozenset("0123456789abcdef")
+# A version-00 `traceparent` as we and vLLM write it (lower-case hex): one C match.
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
 
 def _traceparent(span_context: Any) -> str:
@@ -196,11 +198,10 @@ def _traceparent(span_context: Any) -> str:
 def _parse_traceparent(value: str) -> Any:
     """A remote span context from a version-00 `traceparent`, else None (the SDK's
     propagator then parses it, and rejects what is malformed)."""
-    if len(value) != 55 or value[:3] != "00-" or value[35] != "-" or value[52] != "-":
+    match = _TRACEPARENT.fullmatch(value)
+    if match is None:
         return None
-    trace_hex, span_hex, flags_hex = value[3:35], value[36:52], value[53:]
-    if not _HEX.issuperset(trace_hex) or not _HEX.issuperset(span_hex) or not _HEX.issuperset(flags_hex):
-        return None
+    trace_hex, span_hex, flags_hex = match.groups()
     trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
     if trace_id == INVALID_TRACE_ID or span_id == INVALID_SPAN_ID:
         return None
