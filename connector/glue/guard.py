@@ -85,7 +85,6 @@ WORKER_CALLS: tuple[Call, ...] = (
     Call("worker", "_send_registration_to_p", (_ANY, _ANY)),
     Call("worker", "_do_send_reg_notif", (_ANY, _ANY)),
     Call("worker", "_do_start_push_kv", (_ANY, _ANY, _ANY)),
-    Call("worker", "_xfer_blocks_for_req", (_ANY, _ANY)),
     Call("worker", "_xfer_blocks", None, position=("request_id", 2)),
     Call("worker", "_log_failure", (_ANY, _ANY, _ANY, _ANY, _ANY), {"remote_engine_id": _ANY}),
     Call("worker", "get_transfer_results"),

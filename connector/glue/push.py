@@ -22,7 +22,6 @@ import msgspec
 from opentelemetry.trace import SpanKind
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
-    ReqMeta,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
@@ -311,13 +310,6 @@ class PushFlow:
             self._mark_push_failed(request_id, "lease_expired",
                                    "KV lease ended before the WRITE could start")
         return gone
-
-    def _xfer_blocks_for_req(self, req_id: str, meta: ReqMeta) -> None:
-        try:
-            super()._xfer_blocks_for_req(req_id, meta)
-        except Exception:
-            self._mark_push_failed(req_id, "transfer_setup_failed", "WRITE could not be planned")
-            raise
 
     def _xfer_blocks(self, *args: Any, **kwargs: Any) -> int | None:
         handle = super()._xfer_blocks(*args, **kwargs)

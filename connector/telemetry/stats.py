@@ -51,7 +51,9 @@ class ObservedNixlStats(NixlKVConnectorStats):
         super().reset()  # binds a new dict; the old one belongs to the clone
         # Every interval's dict names all our keys (what a reader of the dict vLLM
         # ships to the API server may expect, as of a stock one).
-        self.data.update({key: [] for key in OUR_STAT_KEYS})
+        data = self.data
+        for key in OUR_STAT_KEYS:
+            data[key] = []
         self._has_ours = False
 
     def clone_and_reset(self) -> ObservedNixlStats:
