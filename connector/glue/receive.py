@@ -1,10 +1,11 @@
-"""D-side flow: the registration handed to the worker, PUSH_REG to P, heartbeats.
+"""D-side flow: the registration handed to the worker, PUSH_REG to P.
 
 Wrappers at the boundary of vLLM's push worker: they time the whole receive, open
 the request's receive span (child of the request's own trace context, which our
 scheduler puts into the registration) and register span, carry the W3C trace
-context in the PUSH_REG payload, tag handshakes a heartbeat or a registration
-starts, and count PUSH_REG notifications.
+context in the PUSH_REG payload, tag the handshakes a registration starts, and
+count PUSH_REG notifications. (Receives start, and heartbeats are tagged, in the
+worker's per-step `start_load_kv`, see worker.py.)
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ The class is assembled from one mixin per flow, each in its own module:
   notification-only), dedup, kv_both upgrade, and the handshake cut into phases;
 - `connector.glue.receive.ReceiveFlow`: D side (registration, PUSH_REG, heartbeats);
 - `connector.glue.push.PushFlow`: P side (matched PUSH_REG until the WRITE is done).
-This module holds the state they share and the outcomes both sides see: vLLM's
-failure log and the transfer results the engine collects each step.
+This module holds the state they share, the per-step entry points vLLM calls on the
+engine's main thread (`start_load_kv`, `get_transfer_results`, `get_kv_connector_stats`:
+one call each per step, handing work to the flows only when there is some), and the
+outcomes both sides see: vLLM's failure log and the transfer results.
 Telemetry never raises into the push flow and never blocks the writer thread.
 """
 
