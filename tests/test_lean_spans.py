@@ -153,6 +153,49 @@ def test_children_of_sampled_parents_skip_the_default_sampler_and_export_the_sam
     assert len(asked) == 1  # only the root
 
 
+@pytest.mark.parametrize("root_sampler, kept", [(sampling.ALWAYS_ON, True), (sampling.ALWAYS_OFF, False)])
+def test_attributes_given_as_a_function_are_built_only_for_a_kept_span(root_sampler, kept):
+    """The SDK's samplers ignore attributes, so the lean tracer decides first: a dropped
+    root (an unsampled request) builds none; a kept one exports what a dict gives."""
+    built = []
+
+    def attributes():
+        built.append(1)
+        return {"vllm.request_id": "r-1", "n": 3}
+
+    provider, processor, exporter = _pair(sampling.ParentBased(root_sampler))
+    lean = LeanTracer(provider, processor, TRACER_NAME)
+    assert lean.decides_before_attributes
+    span = lean.start_span("nixl.push.receive", attributes=attributes, start_time=1)
+    span.end(end_time=2)
+    assert len(built) == int(kept)
+    if kept:
+        provider.id_generator._next = itertools.count(1)
+        lean.start_span("nixl.push.receive", attributes=attributes(), start_time=1).end(end_time=2)
+        first, second = exporter.get_finished_spans()
+        assert encode_spans([first]).SerializeToString() == encode_spans([second]).SerializeToString()
+    else:
+        assert not span.is_recording() and not exporter.get_finished_spans()
+
+
+def test_a_sampler_that_may_read_attributes_gets_them():
+    class ByAttribute(sampling.Sampler):
+        def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None,
+                          links=None, trace_state=None):
+            keep = bool(attributes and attributes.get("keep"))
+            return sampling.SamplingResult(
+                sampling.Decision.RECORD_AND_SAMPLE if keep else sampling.Decision.DROP, attributes)
+
+        def get_description(self) -> str:
+            return "ByAttribute"
+
+    provider, processor, _ = _pair(ByAttribute())
+    lean = LeanTracer(provider, processor, TRACER_NAME)
+    assert not lean.decides_before_attributes
+    assert lean.start_span("s", attributes=lambda: {"keep": True}).is_recording()
+    assert not lean.start_span("s", attributes=lambda: {"keep": False}).is_recording()
+
+
 def test_attribute_limits_of_the_environment_apply(monkeypatch):
     monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "4")
     monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "2")

@@ -65,6 +65,9 @@ class LeanTracer:
         self._sdk_tracer = provider.get_tracer(name, version)
         self._checked: Any = None  # the provider's processor tuple last found to be ours alone
         self._follows_sampled_parents = _keeps_children_of_sampled_parents(self._sampler)
+        # `start_span` may then take the attributes as a function, called only for a span
+        # the sampler keeps (a dropped request builds none).
+        self.decides_before_attributes = _ignores_attributes(self._sampler)
 
     def is_current(self) -> bool:
         """Still the provider's only processor (else SDK spans, which reach them all).
@@ -86,7 +89,12 @@ class LeanTracer:
     def start_span(self, name: str, context: Any = None, kind: SpanKind = SpanKind.INTERNAL,
                    attributes: Mapping[str, Any] | None = None, links: Sequence[Link] | None = None,
                    start_time: int | None = None) -> trace.Span:
+        factory = attributes if callable(attributes) else None
+        if factory is not None:
+            attributes = None if self.decides_before_attributes else factory()
         if not self.is_current():  # someone added a processor: theirs may need SDK spans
+            if factory is not None and attributes is None:
+                attributes = factory()
             return self._sdk_tracer.start_span(name, context=context, kind=kind, attributes=attributes,
                                                links=links, start_time=start_time)
         links = links or ()
@@ -104,6 +112,8 @@ class LeanTracer:
                 flags = TraceFlags(_SAMPLED | _RANDOM) if random_id and _RANDOM else _SAMPLED
                 span_context = SpanContext(trace_id, self._ids.generate_span_id(), is_remote=False,
                                            trace_flags=flags, trace_state=parent.trace_state)
+                if factory is not None and attributes is None:
+                    attributes = factory()
                 return LeanSpan(self, name, span_context, parent, kind, attributes, links, start_time)
         result = self._sampler.should_sample(context, trace_id, name, kind, attributes, links)
         flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
@@ -113,6 +123,8 @@ class LeanTracer:
                                    trace_flags=flags, trace_state=result.trace_state)
         if not result.decision.is_recording():
             return trace.NonRecordingSpan(span_context)
+        if factory is not None and attributes is None:  # decided without them: built now
+            return LeanSpan(self, name, span_context, parent, kind, factory(), links, start_time)
         return LeanSpan(self, name, span_context, parent, kind, result.attributes, links,
                         start_time)
 
@@ -126,6 +138,21 @@ def _keeps_children_of_sampled_parents(sampler: Any) -> bool:
     return (type(sampler) is ParentBased
             and getattr(sampler, "_remote_parent_sampled", None) is ALWAYS_ON
             and getattr(sampler, "_local_parent_sampled", None) is ALWAYS_ON)
+
+
+def _ignores_attributes(sampler: Any) -> bool:
+    """The SDK's built-in samplers decide without looking at a span's attributes (and
+    hand back exactly those they were given); a custom one may look at them."""
+    from opentelemetry.sdk.trace.sampling import ParentBased, StaticSampler, TraceIdRatioBased
+
+    if type(sampler) in (StaticSampler, TraceIdRatioBased):
+        return True
+    if type(sampler) is ParentBased:
+        delegates = [getattr(sampler, name, None) for name in (
+            "_root", "_remote_parent_sampled", "_remote_parent_not_sampled",
+            "_local_parent_sampled", "_local_parent_not_sampled")]
+        return all(d is not None and _ignores_attributes(d) for d in delegates)
+    return False
 
 
 class LeanSpan(trace.Span):

@@ -343,6 +343,11 @@ class SpanEmitter:
                     # sampler decides per trace or follows the parent): skip the SDK.
                     return trace.NonRecordingSpan(span_context)
             if callable(attributes):
+                if getattr(self.tracer, "decides_before_attributes", False):
+                    # The lean tracer asks the sampler first and builds them only for a
+                    # span it keeps (a dropped root request builds none).
+                    return self.tracer.start_span(name, context=parent, kind=kind,
+                                                  attributes=attributes, links=links)
                 attributes = attributes()
             return self.tracer.start_span(name, context=parent, kind=kind,
                                           attributes=dict(attributes or {}), links=links)
