@@ -92,8 +92,6 @@ _FLAVOR_BY_TRIGGER: dict[Trigger, tuple[Direction, bool]] = {
     Trigger.PUSH_REG_EARLY: (Direction.P_TO_D, False),
 }
 
-_NOTIF_ONLY_TRIGGERS = frozenset(t for t, (_, notif_only) in _FLAVOR_BY_TRIGGER.items() if notif_only)
-
 
 class TriggerScope:
     """`with` block during which this thread's handshakes are tagged with `trigger`
@@ -101,8 +99,9 @@ class TriggerScope:
 
     The scope lives in the worker's thread-local (`trigger`, `parent`), not in OTel's
     current context: a handshake reads it only when it starts, which is rare, while
-    attaching a context costs a dozen calls on every push. The per-request paths set
-    the two attributes inline (see push.py, receive.py); this class is for the others.
+    attaching a context costs a dozen calls on every push. The per-request paths use
+    `HandshakeFlow._in_scope` (one call instead of this object's three); the rest use
+    this class through `_triggered_by`.
     """
 
     __slots__ = ("_local", "_parent", "_previous", "_trigger")
@@ -134,6 +133,16 @@ class HandshakeFlow:
     def _triggered_by(self, trigger: Trigger, parent: Any = None) -> TriggerScope:
         return TriggerScope(self._trigger_local, trigger, parent)
 
+    def _in_scope(self, trigger: Trigger, parent: Any, call: Any, *args: Any) -> Any:
+        """`call(*args)` inside the scope `_triggered_by(trigger, parent)` sets up."""
+        local = self._trigger_local
+        previous = getattr(local, "trigger", None), getattr(local, "parent", None)
+        local.trigger, local.parent = trigger, parent
+        try:
+            return call(*args)
+        finally:
+            local.trigger, local.parent = previous
+
     def _scope_parent(self) -> Any:
         """The OTel context a handshake starting now is parented on: the scope's
         parent (see `TriggerScope`), else the thread's current context."""
@@ -158,19 +167,12 @@ class HandshakeFlow:
                           *args: Any, **kwargs: Any) -> Future | None:
         """Start (or join) the handshake to `engine_id`; None when already usable."""
         trigger = getattr(self._trigger_local, "trigger", None) or Trigger.OTHER
-        # Steady state (every heartbeat, PUSH_REG and WRITE to a known peer): connected,
-        # and the connection serves what is asked (any connection serves a D->P
-        # notification; a WRITE needs a full one). Everything else is decided below.
-        self._evict_stale_engines()
-        with self._handshake_lock:
-            if engine_id in self._remote_agents and (
-                    trigger in _NOTIF_ONLY_TRIGGERS or engine_id not in self._notif_only_engines):
-                return None
         # Every PUSH_REG and heartbeat asks: bind the optional arguments only when the
         # caller's own flavor request matters (an untagged caller) or a handshake starts.
         tail = None if trigger in _FLAVOR_BY_TRIGGER else bind_handshake_tail(args, kwargs)
         direction, notif_only = self._flavor_for(
             trigger, bool(tail and tail.get("notif_agents_only", False)))
+        self._evict_stale_engines()
         with self._handshake_lock:
             connected = engine_id in self._remote_agents
             if connected and (notif_only or engine_id not in self._notif_only_engines):

@@ -109,17 +109,13 @@ _FLAT_IDS = list[_BLOCK_ID]
 _GROUPED_IDS = list[list[_BLOCK_ID]]
 
 
-class _UsualPushReg(msgspec.Struct):
-    """The fields P acts on, typed as `PUSH_REG_FIELDS` says, with block ids grouped
-    (what vLLM sends); other keys are ignored. A PUSH_REG that fits needs no further
-    look; one that does not goes through `_checked_field_by_field`."""
-
-    request_id: str
-    decode_engine_id: str
-    decode_host: str
-    decode_port: int  # (msgspec's int refuses a bool, as the field-by-field check does)
-    decode_tp_size: int
-    local_block_ids: _GROUPED_IDS
+# The fields P acts on, typed as `PUSH_REG_FIELDS` says (its first type each; msgspec's
+# int refuses a bool, as the field-by-field check does), with block ids grouped (what
+# vLLM sends); other keys are ignored. A PUSH_REG that fits needs no further look; one
+# that does not goes through `_checked_field_by_field`.
+_UsualPushReg = msgspec.defstruct("_UsualPushReg", [
+    (name, _GROUPED_IDS if name == "local_block_ids" else types[0])
+    for name, types in PUSH_REG_FIELDS.items()])
 
 
 def _valid_block_ids(block_ids: Any) -> bool:
@@ -255,19 +251,16 @@ class PushFlow:
         if span is not None or self._write_deferred_at:  # else: nothing to note
             # Before the WRITE is posted: once it is, P's main thread may end the span.
             self._note_handshake_wait(request_id, span)
-        # The handshake this WRITE may start is tagged with its trigger and parented on
-        # its span (the scope of `_triggered_by`, set inline: this runs for every push).
-        previous = getattr(local, "trigger", None), getattr(local, "parent", None)
-        local.trigger, local.parent = Trigger.PUSH_WRITE, span
         try:
-            super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+            # The handshake this WRITE may start is tagged with its trigger and parented
+            # on its span.
+            self._in_scope(Trigger.PUSH_WRITE, span, super()._do_start_push_kv,
+                           request_id, local_block_ids, registration_data)
         except Exception as exc:
             # Upstream this escapes into the writer's batch loop and drops the rest of
             # the batch. It costs this request only (its lease reclaims the blocks).
             self._log_failure(failure_type="transfer_setup_failed", req_id=request_id,
                               msg="push could not start", error=exc)
-        finally:
-            local.trigger, local.parent = previous
         if local.deferred:
             self._note_deferred(request_id)
 
@@ -324,12 +317,10 @@ class PushFlow:
                     req_id = args[_XFER_REQ_ID_POS]
                 else:
                     req_id = _XFER_BLOCKS_SIG.bind(self, *args, **kwargs).arguments["request_id"]
-                with self._push_lock:
-                    first = req_id not in self._pushing and self._pushing.add(req_id)
-                if first:  # (a request's several WRITEs are one push)
-                    self.xfer_stats.record_push(StatKey.PUSHES_STARTED)
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
+            else:
+                self._count_push_once(self._pushing, req_id, StatKey.PUSHES_STARTED)
         return handle
 
     def _count_push_once(self, seen: Any, req_id: str, key: str) -> None:

@@ -73,15 +73,8 @@ class ReceiveFlow:
                 span, reg_data = self._open_register_span(req_id, reg_data)
             except Exception as exc:
                 errors.note(TelemetryError.SPAN, exc)
-        # A handshake this starts is tagged PUSH_REG and parented on the register span
-        # (the scope of `_triggered_by`, set inline: this runs for every request).
-        local = self._trigger_local
-        previous = getattr(local, "trigger", None), getattr(local, "parent", None)
-        local.trigger, local.parent = Trigger.PUSH_REG, span
-        try:
-            super()._send_registration_to_p(req_id, reg_data)
-        finally:
-            local.trigger, local.parent = previous
+        # A handshake this starts is tagged PUSH_REG and parented on the register span.
+        self._in_scope(Trigger.PUSH_REG, span, super()._send_registration_to_p, req_id, reg_data)
 
     def _open_register_span(self, req_id: str,
                             reg_data: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

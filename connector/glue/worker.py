@@ -131,14 +131,9 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
             super().start_load_kv(metadata)
             return
         # vLLM sends the step's heartbeats (`_send_heartbeats`) at the end of this call,
-        # the only place in it that may start a handshake: tag those as the heartbeat's.
-        local = self._trigger_local
-        previous = getattr(local, "trigger", None), getattr(local, "parent", None)
-        local.trigger, local.parent = Trigger.HEARTBEAT, None  # (a heartbeat's are roots)
-        try:
-            super().start_load_kv(metadata)
-        finally:
-            local.trigger, local.parent = previous
+        # the only place in it that may start a handshake: tag those as the heartbeat's
+        # (roots of their own traces).
+        self._in_scope(Trigger.HEARTBEAT, None, super().start_load_kv, metadata)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """vLLM's per-step stats, plus the in-flight handshakes and telemetry faults."""
@@ -236,14 +231,13 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         clock = self._receive_clock
         for req_id in results.finished_recving:
             failed = req_id in results.failed_recving
-            seconds = clock.stop(req_id)
-            if not tracing:
-                if seconds is not None:
-                    self.xfer_stats.record_receive(_FAILURE if failed else _SUCCESS, seconds, None)
+            span = None
+            if tracing:
+                SpanEmitter.end(self._register_spans.pop(req_id))
+                span = self._receive_spans.pop(req_id)
+            self._record_receive(_FAILURE if failed else _SUCCESS, clock.stop(req_id), span)
+            if span is None:
                 continue
-            SpanEmitter.end(self._register_spans.pop(req_id))
-            span = self._receive_spans.pop(req_id)
-            self._record_receive(_FAILURE if failed else _SUCCESS, seconds, span)
             if failed:
                 SpanEmitter.end(span, error_type="receive_failed", message="KV receive failed")
             else:
@@ -257,4 +251,5 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
 
     def _record_receive(self, outcome: str, seconds: float | None, span: Any) -> None:
         if seconds is not None:
-            self.xfer_stats.record_receive(outcome, seconds, span_ids(span))
+            self.xfer_stats.record_receive(outcome, seconds,
+                                           None if span is None else span_ids(span))

@@ -89,14 +89,18 @@ class LeanTracer:
     def start_span(self, name: str, context: Any = None, kind: SpanKind = SpanKind.INTERNAL,
                    attributes: Mapping[str, Any] | None = None, links: Sequence[Link] | None = None,
                    start_time: int | None = None) -> trace.Span:
-        factory = attributes if callable(attributes) else None
-        if factory is not None:
-            attributes = None if self.decides_before_attributes else factory()
+        # Attributes given as a function are built here for a sampler that may read them,
+        # else only once a span is kept (`factory`, called at the exits below).
+        factory = None
+        if callable(attributes):
+            if self.decides_before_attributes:
+                factory, attributes = attributes, None
+            else:
+                attributes = attributes()
         if not self.is_current():  # someone added a processor: theirs may need SDK spans
-            if factory is not None and attributes is None:
-                attributes = factory()
-            return self._sdk_tracer.start_span(name, context=context, kind=kind, attributes=attributes,
-                                               links=links, start_time=start_time)
+            return self._sdk_tracer.start_span(
+                name, context=context, kind=kind, links=links, start_time=start_time,
+                attributes=attributes if factory is None else factory())
         links = links or ()
         parent = trace.get_current_span(context).get_span_context()
         if parent is None or not parent.is_valid:
@@ -112,9 +116,8 @@ class LeanTracer:
                 flags = TraceFlags(_SAMPLED | _RANDOM) if random_id and _RANDOM else _SAMPLED
                 span_context = SpanContext(trace_id, self._ids.generate_span_id(), is_remote=False,
                                            trace_flags=flags, trace_state=parent.trace_state)
-                if factory is not None and attributes is None:
-                    attributes = factory()
-                return LeanSpan(self, name, span_context, parent, kind, attributes, links, start_time)
+                return LeanSpan(self, name, span_context, parent, kind,
+                                attributes if factory is None else factory(), links, start_time)
         result = self._sampler.should_sample(context, trace_id, name, kind, attributes, links)
         flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
         if random_id and _RANDOM:
@@ -123,10 +126,8 @@ class LeanTracer:
                                    trace_flags=flags, trace_state=result.trace_state)
         if not result.decision.is_recording():
             return trace.NonRecordingSpan(span_context)
-        if factory is not None and attributes is None:  # decided without them: built now
-            return LeanSpan(self, name, span_context, parent, kind, factory(), links, start_time)
-        return LeanSpan(self, name, span_context, parent, kind, result.attributes, links,
-                        start_time)
+        return LeanSpan(self, name, span_context, parent, kind,
+                        result.attributes if factory is None else factory(), links, start_time)
 
 
 def _keeps_children_of_sampled_parents(sampler: Any) -> bool:

@@ -66,8 +66,6 @@ class ObservedNixlStats(NixlKVConnectorStats):
         return old
 
     # -- recording (writer, handshake and main threads) ---------------------
-    # (The three recorders called for every request append in place rather than through
-    # `_append`: one Python call less each, on the writer and main threads.)
     def _append(self, key: str, value: Any) -> None:
         with _LOCK:
             self.data.setdefault(key, []).append(value)
@@ -77,15 +75,10 @@ class ObservedNixlStats(NixlKVConnectorStats):
         self._append(StatKey.HANDSHAKES, record.to_stats())
 
     def record_push_reg_notif(self, sent: bool) -> None:
-        with _LOCK:
-            self.data.setdefault(StatKey.PUSH_REG_SENT if sent else StatKey.PUSH_REG_FAILED,
-                                 []).append(1)
-            self._has_ours = True
+        self._append(StatKey.PUSH_REG_SENT if sent else StatKey.PUSH_REG_FAILED, 1)
 
     def record_push(self, key: str) -> None:
-        with _LOCK:
-            self.data.setdefault(key, []).append(1)
-            self._has_ours = True
+        self._append(key, 1)
 
     def record_retry(self, direction: str) -> None:
         self._append(StatKey.HANDSHAKE_RETRIES, direction)
@@ -117,9 +110,7 @@ class ObservedNixlStats(NixlKVConnectorStats):
         rec: dict[str, Any] = {"outcome": outcome, "duration": seconds}
         if ids is not None:
             rec["trace_id"], rec["span_id"] = ids
-        with _LOCK:
-            self.data.setdefault(StatKey.RECEIVES, []).append(rec)
-            self._has_ours = True
+        self._append(StatKey.RECEIVES, rec)
 
     # -- vLLM's contract ---------------------------------------------------------
     def is_empty(self) -> bool:
