@@ -22,7 +22,7 @@ from typing import Any
 
 from dashboards import preview
 from demo import drive, report
-from demo.engines import REPO, SERVED_MODEL
+from demo.engines import PROGRESS_DELAY_US, REPO, SERVED_MODEL
 from demo.stack import JOB, Stack, wait_until
 
 WORKDIR = REPO / ".cache" / "demo-run"
@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stock: the same deployment with vLLM's own NixlPushConnector")
     p.add_argument("--otlp-endpoint", help="send traces to your collector/Jaeger (OTLP gRPC, e.g. "
                    "http://localhost:4317) instead of the local receiver; the trace tree is then in your UI")
+    p.add_argument("--nixl-progress-delay-us", type=int, default=PROGRESS_DELAY_US,
+                   help="fork engines: NIXL progress-thread poll delay (kv_connector_extra_config "
+                        "nixl_progress_delay_us; -1 = NIXL's busy loop)")
     p.add_argument("--serve", action="store_true", help="keep everything up after the report until Ctrl-C")
     p.add_argument("--requests", type=int, default=3, help="requests sent one by one")
     p.add_argument("--batch", type=int, default=8, help="requests sent concurrently afterwards")
@@ -141,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     clock = Clock()
     signal.signal(signal.SIGTERM, _sigterm)
-    stack = Stack(args.workdir, connector=args.connector, otlp_endpoint=args.otlp_endpoint, progress=clock)
+    delay = None if args.nixl_progress_delay_us < 0 else args.nixl_progress_delay_us
+    stack = Stack(args.workdir, connector=args.connector, otlp_endpoint=args.otlp_endpoint, progress=clock,
+                  nixl_progress_delay_us=delay)
     clock(f"starting the real deployment ({args.connector} connector); logs in {args.workdir}")
     rc = 0
     try:

@@ -110,12 +110,21 @@ class Process:
         raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s; see {self.log_path}")
 
 
-def kv_transfer_config(connector: str, kv_role: str, engine_id: str) -> dict[str, Any]:
+# The demo's engines share two cores with each other, the router and Prometheus:
+# NIXL's progress thread polls every 100 us instead of spinning a core per engine
+# (connector/glue/nixl_progress.py). Stock engines have no such option.
+PROGRESS_DELAY_US = 100
+
+
+def kv_transfer_config(connector: str, kv_role: str, engine_id: str,
+                       progress_delay_us: int | None = PROGRESS_DELAY_US) -> dict[str, Any]:
     """`--kv-transfer-config` for the fork (`connector` package) or vLLM's own class."""
     kv: dict[str, Any] = {"kv_connector": "NixlPushConnector", "kv_role": kv_role,
                           "engine_id": engine_id, "kv_buffer_device": "cpu"}
     if connector == "fork":
         kv["kv_connector_module_path"] = "connector"
+        if progress_delay_us is not None:
+            kv["kv_connector_extra_config"] = {"nixl_progress_delay_us": progress_delay_us}
     elif connector != "stock":
         raise ValueError(f"unknown connector {connector!r}: use 'fork' or 'stock'")
     return kv
@@ -125,7 +134,9 @@ class VllmServer(Process):
     """One `vllm serve` on loopback: P (`kv_producer`) or D (`kv_consumer`)."""
 
     def __init__(self, workdir: Path, *, name: str, kv_role: str, engine_id: str, cpu: int, model: Path,
-                 connector: str = "fork", otlp_endpoint: str | None = None):
+                 connector: str = "fork", otlp_endpoint: str | None = None,
+                 progress_delay_us: int | None = PROGRESS_DELAY_US,
+                 kv_overrides: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None):
         self.port = free_port()
         self.side_channel_port = free_port()
         self.engine_id = engine_id
@@ -140,12 +151,14 @@ class VllmServer(Process):
                "OTEL_SERVICE_NAME": f"vllm-{name}",
                "PYTHONPATH": os.pathsep.join([str(REPO), str(shim)])}
         env.setdefault("VLLM_CACHE_ROOT", str(workdir / "vllm-cache"))
+        env.update(extra_env or {})
+        kv = {**kv_transfer_config(connector, kv_role, engine_id, progress_delay_us), **(kv_overrides or {})}
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
                "--served-model-name", SERVED_MODEL,
                "--host", LOOPBACK, "--port", str(self.port), "--skip-tokenizer-init",
                "--enforce-eager", "--dtype", "float32",
                "--max-model-len", "512", "--kv-cache-memory-bytes", "64M",
-               "--kv-transfer-config", json.dumps(kv_transfer_config(connector, kv_role, engine_id))]
+               "--kv-transfer-config", json.dumps(kv)]
         if otlp_endpoint:
             cmd += ["--otlp-traces-endpoint", otlp_endpoint]
         super().__init__(f"vllm serve {name}", cmd, env, workdir / f"vllm-{name}.log")

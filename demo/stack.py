@@ -14,7 +14,7 @@ from typing import Any
 
 from connector.testing.otlp import OtlpGrpcReceiver
 from dashboards import promrun
-from demo.engines import LOOPBACK, REPO, Process, RouterProcess, VllmServer, alive
+from demo.engines import LOOPBACK, PROGRESS_DELAY_US, REPO, Process, RouterProcess, VllmServer, alive
 from demo.model import random_checkpoint
 
 JOB = "vllm"
@@ -30,8 +30,12 @@ class Stack:
     """Start with `start()`, stop with `close()` (or use as a context manager)."""
 
     def __init__(self, workdir: Path, *, connector: str = "fork", otlp_endpoint: str | None = None,
-                 progress: Callable[[str], None] = lambda _: None):
+                 progress: Callable[[str], None] = lambda _: None,
+                 nixl_progress_delay_us: int | None = PROGRESS_DELAY_US,
+                 kv_overrides: dict[str, Any] | None = None):
         self.workdir = workdir
+        self.kv_overrides = kv_overrides
+        self.nixl_progress_delay_us = nixl_progress_delay_us
         self.connector = connector
         self.user_endpoint = otlp_endpoint
         self.progress = progress
@@ -72,10 +76,14 @@ class Stack:
                       + ("" if self.user_endpoint else " (local receiver)"))
         self.prefill = VllmServer(self.workdir, name="prefill", kv_role="kv_producer",
                                   engine_id="prefill-0", cpu=0, model=self.model,
-                                  connector=self.connector, otlp_endpoint=self.otlp_endpoint)
+                                  connector=self.connector, otlp_endpoint=self.otlp_endpoint,
+                                  progress_delay_us=self.nixl_progress_delay_us,
+                                  kv_overrides=self.kv_overrides)
         self.decode = VllmServer(self.workdir, name="decode", kv_role="kv_consumer",
                                  engine_id="decode-0", cpu=1, model=self.model,
-                                 connector=self.connector, otlp_endpoint=self.otlp_endpoint)
+                                 connector=self.connector, otlp_endpoint=self.otlp_endpoint,
+                                  progress_delay_us=self.nixl_progress_delay_us,
+                                  kv_overrides=self.kv_overrides)
         self.progress(f"vllm serve P pid {self.prefill.pid} log {self.prefill.log_path}")
         self.progress(f"vllm serve D pid {self.decode.pid} log {self.decode.log_path}")
         errors: list[BaseException] = []

@@ -62,7 +62,7 @@ class EngineSpec:
     dist_init_file: str | None = None  # shared file:// rendezvous of one engine's ranks
     log_file: str | None = None  # engine logs go here (stderr of the process)
     # Microseconds NIXL's progress thread sleeps between polls (None: NIXL's own 0, a
-    # busy loop worth one core per engine; see harness/nixl_progress.py).
+    # busy loop worth one core per engine; see connector/glue/nixl_progress.py).
     nixl_progress_delay_us: int | None = field(default_factory=lambda: progress_delay_from_env())
 
     @property

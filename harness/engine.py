@@ -601,10 +601,6 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(line_buffering=True)
     try:
-        if spec.nixl_progress_delay_us:
-            from harness.nixl_progress import set_progress_delay
-
-            set_progress_delay(spec.nixl_progress_delay_us)
         if os.environ.get("HARNESS_PROFILE_WRITER"):
             _profile_push_writers()
         if spec.tracing == "memory":
@@ -616,7 +612,12 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
             from connector.testing.otlp import RaisingExporter
 
             install_provider(RaisingExporter())
-        engine = Engine(spec)
+        # Stock and fork engines alike: NIXL's progress thread sleeps between polls
+        # (the fork's `nixl_progress_delay_us` seam, applied around the whole start-up).
+        from connector.glue.nixl_progress import progress_delay
+
+        with progress_delay(spec.nixl_progress_delay_us):
+            engine = Engine(spec)
         # Like vLLM's engine core after start-up: the start-up heap (torch, vLLM, NIXL)
         # is frozen, so a full collection does not walk it. Without this every full
         # collection stalled a thread for ~300 ms, about once per 1,000 requests.
