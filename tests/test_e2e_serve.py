@@ -9,6 +9,7 @@ last test stops everything and checks no process is left.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +26,7 @@ from connector.vocabulary import (
     SPAN_ROUTER_REQUEST,
 )
 from demo import drive, report
-from demo.engines import PROGRESS_DELAY_US
+from demo.engines import PROGRESS_DELAY_US, session_pids
 from demo.stack import Stack, wait_until
 
 pytestmark = [pytest.mark.real, pytest.mark.prometheus, pytest.mark.serve, pytest.mark.timeout(900)]
@@ -88,6 +89,39 @@ def test_kv_came_over_nixl_and_d_to_p_handshakes_were_notification_only(stack, o
     # vLLM logs "Transfer plan" only on its full add_remote_agent path: P did one, D none.
     assert "Transfer plan" not in stack.decode.log()
     assert "Transfer plan" in stack.prefill.log()
+
+
+def _parse_cpus(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _worker_threads_cpus(server) -> tuple[set[int], list[set[int]]]:
+    """The allowed CPUs of the engine's worker process: its main thread's, and every thread's."""
+    [worker] = [pid for pid in session_pids(server.pid)
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "VLLM::Worker"]
+    main, every = set(), []
+    for task in Path(f"/proc/{worker}/task").iterdir():
+        cpus = _parse_cpus((task / "status").read_text().split("Cpus_allowed_list:")[1].split()[0])
+        every.append(cpus)
+        if int(task.name) == worker:
+            main = cpus
+    return main, every
+
+
+def test_each_engines_worker_stays_on_its_own_core(stack):
+    """vLLM pins both workers to the last core; the fork keeps P's main thread on core 0
+    (its VLLM_CPU_OMP_THREADS_BIND), and no thread of either worker (NIXL's progress
+    thread, the push writer and the handshake threads start after the pin) is kept off
+    its engine's core."""
+    for server, core in ((stack.prefill, 0), (stack.decode, 1)):
+        main, every = _worker_threads_cpus(server)
+        assert main == {core}, server.name
+        assert all(core in cpus for cpus in every), (server.name, every)
+    assert "Kept the NIXL worker on CPUs [0]: vLLM pinned it to CPUs [" in stack.prefill.log()
 
 
 def test_nixl_progress_threads_poll_with_the_configured_delay(stack):

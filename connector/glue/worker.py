@@ -82,7 +82,8 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
         # vLLM builds its NIXL agent in here (with the poll delay asked for, if any) and,
         # on the CPU platform, pins this thread to a core (kept inside the engine's own).
-        get = vllm_config.kv_transfer_config.get_from_extra_config
+        kv = getattr(vllm_config, "kv_transfer_config", None)  # (read before vLLM's checks run)
+        get = kv.get_from_extra_config if kv is not None else lambda _key, default=None: default
         delay = parse_delay(get(PROGRESS_DELAY_KEY, None))
         with progress_delay(delay) as delayed, contained_affinity(
                 parse_policy(get(AFFINITY_KEY, None))) as affinity:
