@@ -104,7 +104,8 @@ demo: setup
 demo-harness: setup
 	$(PY) -m harness.demo
 
-# Every benchmark, one after the other (about 35 min here); engine logs go to .cache/bench/engine-logs.
+# Every benchmark, one after the other (about 60 min here; the two real `vllm serve` ones about 25 of them);
+# engine logs go to .cache/bench/engine-logs and .cache/bench/serve-*.
 # benchmarks.scale also writes .cache/bench/scale.json and scale.png.
 BENCH_LOGS := $(CURDIR)/.cache/bench/engine-logs
 bench: setup
@@ -115,6 +116,8 @@ bench: setup
 	$(PY) -m benchmarks.otlp_encode
 	$(PY) -m benchmarks.span_cost
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.scale --out .cache/bench
+	$(PY) -m benchmarks.serve_sharing --workdir .cache/bench/serve-sharing
+	$(PY) -m benchmarks.serve_cpu --workdir .cache/bench/serve-cpu
 
 clean:
 	rm -rf $(VENV) $(VENV033) .cache

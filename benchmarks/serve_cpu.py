@@ -110,7 +110,8 @@ def _send(pair: Pair, n: int, concurrency: int, max_tokens: int, seed: int) -> i
 
 
 def _session(index: int, args: argparse.Namespace, model: Path, otlp: str,
-             rows: dict[str, list[float]], ratios: dict[str, list[float]], log: Any) -> None:
+             rows: dict[str, list[float]], ratios: dict[str, list[float]],
+             cores: dict[str, list[float]], log: Any) -> None:
     order = VARIANTS[index % len(VARIANTS):] + VARIANTS[:index % len(VARIANTS)]
     root = Path(tempfile.mkdtemp(prefix=f"serve-cpu-{index}-", dir=args.workdir))
     t0 = time.monotonic()
@@ -137,8 +138,10 @@ def _session(index: int, args: argparse.Namespace, model: Path, otlp: str,
                 per_request[p.variant] = cpu / args.requests
                 if failed:
                     log(f"  {p.variant}: {failed} of {args.requests} requests failed")
+                wall = time.monotonic() - w0
+                cores[p.variant].append(cpu / wall)
                 log(f"  round {r + 1} {p.variant:9s} {cpu / args.requests * 1e3:7.2f} ms CPU/request "
-                    f"({time.monotonic() - w0:.1f} s)")
+                    f"({wall:.1f} s, {cpu / wall:.2f} cores busy)")
             base = (per_request["stock"] + per_request["stock-AA"]) / 2
             for v, value in per_request.items():
                 rows[v].append(value)
@@ -152,10 +155,11 @@ def serve_cpu_bench(args: argparse.Namespace, log: Any = print) -> dict[str, dic
     model = random_checkpoint(MODEL_CACHE)
     rows: dict[str, list[float]] = {v: [] for v in VARIANTS}
     ratios: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cores: dict[str, list[float]] = {v: [] for v in VARIANTS}
     rx = OtlpGrpcReceiver()
     try:
         for s in range(args.sessions):
-            _session(s, args, model, rx.endpoint, rows, ratios, log)
+            _session(s, args, model, rx.endpoint, rows, ratios, cores, log)
         spans = len(rx.snapshot())
     finally:
         rx.close()
@@ -163,12 +167,14 @@ def serve_cpu_bench(args: argparse.Namespace, log: Any = print) -> dict[str, dic
     log(f"\nCPU per request on real vllm serve ({args.sessions} sessions x {args.rounds} rounds x "
         f"{args.requests} requests per pair, {args.concurrency} at a time, {args.max_tokens} tokens); "
         f"{spans} spans received from fork-on")
-    log(f"{'variant':10s} {'CPU/request':>12s}  x stock (per-round median [min-max])")
+    log(f"{'variant':10s} {'CPU/request':>12s}  x stock (per-round median [min-max])  cores busy in a round")
     for v in VARIANTS:
         med = statistics.median(ratios[v])
         out[v] = {"cpu_ms": statistics.median(rows[v]) * 1e3, "ratio": med,
                   "min": min(ratios[v]), "max": max(ratios[v])}
-        log(f"{v:10s} {out[v]['cpu_ms']:9.2f} ms  {med:.3f} [{min(ratios[v]):.3f}-{max(ratios[v]):.3f}]")
+        out[v]["cores"] = statistics.median(cores[v])
+        log(f"{v:10s} {out[v]['cpu_ms']:9.2f} ms  {med:.3f} [{min(ratios[v]):.3f}-{max(ratios[v]):.3f}]"
+            f"  {out[v]['cores']:.2f}")
     return out
 
 

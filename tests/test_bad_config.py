@@ -43,3 +43,17 @@ def test_missing_nixl_fails_with_install_hint(tmp_path, monkeypatch):
     monkeypatch.setattr(base_worker, "NixlWrapper", None)
     with pytest.raises(ConnectorConfigError, match=r"pip install nixl==1\.5\.1"):
         NixlPushConnector(config, KVConnectorRole.WORKER, build_kv_cache_config(spec))
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("nixl_progress_delay_us", "100us", "nixl_progress_delay_us must be a whole number"),
+    ("nixl_progress_delay_us", -5, "nixl_progress_delay_us must be between 0 and"),
+    ("kv_transfer_cpu_affinity", "last-core", "kv_transfer_cpu_affinity must be one of contain, upstream"),
+])
+def test_a_bad_deployment_setting_fails_start_up_naming_it(tmp_path, key, value, says):
+    spec = EngineSpec(name="x", engine_id="e", kv_role="kv_consumer", side_channel_port=1,
+                      workdir=str(tmp_path))
+    config = build_vllm_config(spec)
+    config.kv_transfer_config.kv_connector_extra_config[key] = value
+    with pytest.raises(ConnectorConfigError, match=says):
+        check_connector_config(config)

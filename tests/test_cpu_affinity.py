@@ -11,7 +11,6 @@ import threading
 
 import pytest
 
-from connector.glue.connector import ConnectorConfigError, check_connector_config
 from connector.glue.cpu_affinity import (
     CONTAIN,
     UPSTREAM,
@@ -19,7 +18,6 @@ from connector.glue.cpu_affinity import (
     contained_affinity,
     parse_policy,
 )
-from harness.config import EngineSpec, build_vllm_config
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to move a thread between")
@@ -98,12 +96,3 @@ def test_parse_policy(value, expected):
 def test_parse_refuses_unknown_policies(value):
     with pytest.raises(AffinityPolicyError, match="kv_transfer_cpu_affinity must be one of"):
         parse_policy(value)
-
-
-def test_an_unknown_policy_fails_connector_start_up(tmp_path):
-    spec = EngineSpec(name="x", engine_id="e", kv_role="kv_consumer", side_channel_port=1,
-                      workdir=str(tmp_path))
-    config = build_vllm_config(spec)
-    config.kv_transfer_config.kv_connector_extra_config["kv_transfer_cpu_affinity"] = "last-core"
-    with pytest.raises(ConnectorConfigError, match="kv_transfer_cpu_affinity"):
-        check_connector_config(config)
