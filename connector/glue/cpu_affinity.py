@@ -18,13 +18,10 @@ so. `upstream` keeps vLLM's pin as it is.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 EXTRA_CONFIG_KEY = "kv_transfer_cpu_affinity"
 CONTAIN = "contain"
