@@ -32,9 +32,7 @@ IDLE_S = 8.0
 def _one(workdir: Path, policy: str, delay: int | None, requests: int, timeout_s: float,
          seed: int) -> dict[str, Any]:
     stack = Stack(workdir, nixl_progress_delay_us=delay,
-                  kv_overrides={"kv_connector_extra_config": {
-                      "kv_transfer_cpu_affinity": policy,
-                      **({"nixl_progress_delay_us": delay} if delay is not None else {})}})
+                  kv_overrides={"kv_connector_extra_config": {"kv_transfer_cpu_affinity": policy}})
     out: dict[str, Any] = {"policy": policy, "delay": delay}
     try:
         stack.start()

@@ -2,7 +2,7 @@
 
 For `benchmarks.serve_cpu` only: a stock engine pair on a shared 2-core host would
 otherwise spin a core per worker in NIXL's progress thread and put both workers on
-the same core (see connector/glue/nixl_progress.py and cpu_affinity.py), and the
+the same core (see connector/glue/host_settings.py), and the
 benchmark would measure that instead of the connectors. Nothing else of the fork is
 here: vLLM's worker, scheduler, stats and metrics, unchanged.
 """
@@ -15,13 +15,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector as StockNixlPushConnector,
 )
 
-from connector.glue import cpu_affinity, nixl_progress
+from connector.glue.host_settings import HostSettings
 
 
 class NixlPushConnector(StockNixlPushConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
-        get = vllm_config.kv_transfer_config.get_from_extra_config
-        delay = nixl_progress.parse_delay(get(nixl_progress.EXTRA_CONFIG_KEY, None))
-        policy = cpu_affinity.parse_policy(get(cpu_affinity.EXTRA_CONFIG_KEY, None))
-        with nixl_progress.progress_delay(delay), cpu_affinity.contained_affinity(policy):
+        host = HostSettings.from_extra_config(vllm_config.kv_transfer_config.get_from_extra_config)
+        with host.applied():
             super().__init__(vllm_config, role, kv_cache_config)

@@ -152,7 +152,9 @@ class VllmServer(Process):
                "PYTHONPATH": os.pathsep.join([str(REPO), str(shim)])}
         env.setdefault("VLLM_CACHE_ROOT", str(workdir / "vllm-cache"))
         env.update(extra_env or {})
-        kv = {**kv_transfer_config(connector, kv_role, engine_id, progress_delay_us), **(kv_overrides or {})}
+        kv = kv_transfer_config(connector, kv_role, engine_id, progress_delay_us)
+        for key, value in (kv_overrides or {}).items():  # (a dict, e.g. the extra config, is merged)
+            kv[key] = {**kv.get(key, {}), **value} if isinstance(value, dict) else value
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
                "--served-model-name", SERVED_MODEL,
                "--host", LOOPBACK, "--port", str(self.port), "--skip-tokenizer-init",

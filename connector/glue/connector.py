@@ -23,11 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 
 from connector.glue import listener
-from connector.glue.cpu_affinity import EXTRA_CONFIG_KEY as AFFINITY_KEY
-from connector.glue.cpu_affinity import AffinityPolicyError, parse_policy
 from connector.glue.guard import SCHEDULER_SEAM, WORKER_SEAM
-from connector.glue.nixl_progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
-from connector.glue.nixl_progress import ProgressDelayError, parse_delay
+from connector.glue.host_settings import SETTING_ERRORS, HostSettings
 from connector.glue.scheduler import ObservedPushScheduler
 from connector.glue.worker import ObservedPushWorker
 from connector.telemetry.prometheus import ObservedPromMetrics
@@ -87,9 +84,8 @@ def check_connector_config(vllm_config: VllmConfig) -> None:
     if kv.engine_id is None:
         raise ConnectorConfigError("kv_transfer_config.engine_id must be set for push mode")
     try:
-        parse_delay(kv.get_from_extra_config(PROGRESS_DELAY_KEY, None))
-        parse_policy(kv.get_from_extra_config(AFFINITY_KEY, None))
-    except (ProgressDelayError, AffinityPolicyError) as exc:
+        HostSettings.from_extra_config(kv.get_from_extra_config)
+    except SETTING_ERRORS as exc:
         raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None
 
 

@@ -32,12 +32,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 
 from connector.glue.compat import RemoteAgentTable
 from connector.glue.cpu_affinity import EXTRA_CONFIG_KEY as AFFINITY_KEY
-from connector.glue.cpu_affinity import contained_affinity, parse_policy
 from connector.glue.guard import check_worker
 from connector.glue.handshakes import DEFAULT_HANDSHAKE_TIMEOUT_MS, HandshakeFlow
+from connector.glue.host_settings import HostSettings
 from connector.glue.nixl_probe import NixlAgentProbe
 from connector.glue.nixl_progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
-from connector.glue.nixl_progress import parse_delay, progress_delay
 from connector.glue.push import PushFlow
 from connector.glue.push_fail import PushFailFlow
 from connector.glue.receive import ReceiveFlow
@@ -83,14 +82,14 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         # vLLM builds its NIXL agent in here (with the poll delay asked for, if any) and,
         # on the CPU platform, pins this thread to a core (kept inside the engine's own).
         kv = getattr(vllm_config, "kv_transfer_config", None)  # (read before vLLM's checks run)
-        get = kv.get_from_extra_config if kv is not None else lambda _key, default=None: default
-        delay = parse_delay(get(PROGRESS_DELAY_KEY, None))
-        with progress_delay(delay) as delayed, contained_affinity(
-                parse_policy(get(AFFINITY_KEY, None))) as affinity:
+        host = HostSettings.from_extra_config(
+            kv.get_from_extra_config if kv is not None else lambda _key, default=None: default)
+        with host.applied() as (delayed, affinity):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         # (vLLM's NIXL logger: these lines show in `vllm serve` logs beside its own.)
         if delayed:
-            vllm_logger.info("NIXL progress thread polls every %d us (%s)", delay, PROGRESS_DELAY_KEY)
+            vllm_logger.info("NIXL progress thread polls every %d us (%s)", host.progress_delay_us,
+                             PROGRESS_DELAY_KEY)
         if affinity.kept:
             vllm_logger.info("Kept the NIXL worker on CPUs %s: vLLM pinned it to CPUs %s, outside "
                              "them (%s=contain)", sorted(affinity.before or ()),
