@@ -8,7 +8,9 @@ of our lean spans, fork with a parent-based 1-in-10 sampler and with nothing sam
 tracing path costs when spans are dropped), and a second stock pair as an A/A control.
 Each round pushes `--requests` requests through each pair in rotating order and reads
 the CPU time of both engine processes before and after, per thread, from the
-scheduler's nanosecond run-time counters (`/proc/.../schedstat`).
+scheduler's nanosecond run-time counters (`/proc/.../schedstat`). While one pair is
+measured, every other pair's processes are frozen (SIGSTOP), so their loops and NIXL
+progress threads do not compete with it for the two cores.
 
 One pair's processes can sit several percent above or below an identical pair's for
 their whole life (an A/A ratio of 0.80 in one run, 0.93 in another), so the whole set
@@ -23,8 +25,9 @@ threads poll while a round runs, CPU that grows with wall time rather than with
 requests, so each pair's idle CPU rate (measured before the rounds) times the round's
 wall time is subtracted.
 
-Harness engines let NIXL's progress thread sleep between polls (harness/nixl_progress.py)
-and freeze their start-up heap for the garbage collector as vLLM's engine core does:
+Harness engines let NIXL's progress thread sleep between polls (the fork's
+`nixl_progress_delay_us` seam, around stock and fork alike) and freeze their start-up
+heap for the garbage collector as vLLM's engine core does:
 without either, the busy loop and ~300 ms full collections, not the push path, were
 measured.
 
@@ -101,7 +104,11 @@ def _session(rx: OtlpGrpcReceiver, session: int, rounds: int, requests: int, bat
             assert pairs[name].push(20).ok  # warm-up: handshakes, first connections
         for name in names:  # an unmeasured round: the first one after start-up ran 10-25% high
             push_batches(pairs[name], requests, batch)
-        idle_rate = {name: _idle_rate(pairs[name]) for name in names}
+        # From here on only the pair being measured runs: the others are frozen, so their
+        # loops and NIXL progress threads do not share the two cores with it.
+        for h in pairs.values():
+            h.pause()
+        idle_rate = {name: _measured_alone(pairs[name], _idle_rate) for name in names}
         for name in names:
             out["idle_rate"][name].append(idle_rate[name])
         for r in range(rounds):
@@ -110,6 +117,7 @@ def _session(rx: OtlpGrpcReceiver, session: int, rounds: int, requests: int, bat
             this_net: dict[str, float] = {}
             for name in order:
                 h = pairs[name]
+                h.resume()
                 before = [h[e].call("thread_cpu") for e in ("P", "D")]
                 t0 = time.perf_counter()
                 push_batches(h, requests, batch)
@@ -118,6 +126,7 @@ def _session(rx: OtlpGrpcReceiver, session: int, rounds: int, requests: int, bat
                         h[e].call("spans")  # force_flush: this round's spans leave in this round
                 elapsed = time.perf_counter() - t0
                 after = [h[e].call("thread_cpu") for e in ("P", "D")]
+                h.pause()
                 spent = [_diff(a, b) for a, b in zip(after, before)]
                 n = (requests // batch) * batch
                 this_round[name] = sum(sum(s.values()) for s in spent) / n
@@ -138,6 +147,14 @@ def _session(rx: OtlpGrpcReceiver, session: int, rounds: int, requests: int, bat
     finally:
         for h in pairs.values():
             h.stop()
+
+
+def _measured_alone(h: PushHarness, measure: Any) -> Any:
+    h.resume()
+    try:
+        return measure(h)
+    finally:
+        h.pause()
 
 
 def push_batches(h: PushHarness, requests: int, batch: int) -> None:

@@ -485,6 +485,19 @@ class Engine:
             out[name] = out.get(name, 0.0) + seconds
         return out
 
+    def cmd_stock_mode(self, on: bool) -> str:
+        """Fork engines only: run vLLM's stock code paths (`on`) or the fork's again, in
+        this same process (see harness.stock_swap); returns the worker's class name."""
+        if getattr(self, "_swap", None) is None:
+            from harness.stock_swap import StockSwap
+
+            self._swap = StockSwap(self.worker_connector, self.scheduler_connector, self.nixl_log)
+        if on:
+            self._swap.to_stock()
+        else:
+            self._swap.to_fork()
+        return type(self.worker).__name__
+
     def cmd_rss(self) -> int:
         return _rss_bytes()
 

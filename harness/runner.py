@@ -7,6 +7,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import statistics
 import tempfile
 import time
@@ -200,6 +201,7 @@ class PushHarness:
     def stop(self) -> None:
         # Decode engines first, so nobody notifies an engine that is gone; each group
         # shuts down in parallel (an engine's shutdown waits on its threads for a while).
+        self.resume()  # (a frozen engine cannot take the stop command)
         handles = list(self.engines.values())
         for group in ([h for h in handles if h.spec.kv_role == "kv_consumer"],
                       [h for h in handles if h.spec.kv_role != "kv_consumer"]):
@@ -216,6 +218,19 @@ class PushHarness:
 
     def __getitem__(self, name: str) -> EngineHandle:
         return self.engines[name]
+
+    def pause(self) -> None:
+        """Freeze every engine process (SIGSTOP): a benchmark measuring one harness at a
+        time keeps the others' loops and NIXL progress threads off the cores meanwhile."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
+        for handle in self.engines.values():
+            if handle.process.pid is not None and handle.process.is_alive():
+                os.kill(handle.process.pid, sig)
 
     # ---------------------------------------------------------------- pushes
     def reuse_blocks(self, *names: str) -> None:
