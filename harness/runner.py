@@ -275,13 +275,7 @@ class PushHarness:
             d.call("register", d_id, d_blocks, p.address, p_id, heartbeat, d_headers)
             p.call("finish", p_id, p_blocks, lease_s, p_headers)
         d_ids = {pair[1] for pair in pairs}
-        deadline = time.monotonic() + timeout_s
-        results: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            results = d.call("results", sorted(d_ids))
-            if d_ids <= set(results["finished_recving"]):
-                break
-            time.sleep(0.01)
+        results = d.call("await_results", sorted(d_ids), timeout_s, timeout=timeout_s + 30)
         finished = results.get("finished_recving", {})
         failed = sorted((d_ids - set(finished)) | (d_ids & set(results.get("failed_recving", []))))
         latencies = {d_id: finished[d_id] - started[d_id] for d_id in d_ids
