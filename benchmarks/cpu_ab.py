@@ -20,11 +20,13 @@ ratios fork / stock with [min-max], the same for wall time, and CPU by thread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from benchmarks.cpu_cost import _diff, _spread, push_batches
@@ -33,6 +35,7 @@ from harness import PushHarness
 from harness.config import FORK
 from harness.runner import LOG_DIR_ENV
 
+BULK = os.environ.get("CPU_AB_BULK") == "1"
 _SDK_DEFAULT_DELAY = {"schedule_delay_ms": 5000}
 PAIRS: dict[str, dict[str, Any]] = {
     "off": {},
@@ -49,24 +52,46 @@ def _set_mode(h: PushHarness, stock: bool) -> None:
         assert name == expected, f"{e} runs {name}, not {expected}"
 
 
-def _round(h: PushHarness, traced: bool, requests: int, batch: int) -> tuple[float, float, dict]:
-    """CPU seconds per request (both engines), wall seconds per request, CPU by thread."""
-    before = [h[e].call("thread_cpu") for e in ("P", "D")]
+class ProcessClock:
+    """CPU seconds of both engines' threads, read from outside (`/proc/<pid>/task/*/
+    schedstat`, nanoseconds), so reading costs the engines nothing."""
+
+    def __init__(self, h: PushHarness):
+        self._tasks: list[tuple[str, Path]] = []
+        for e in ("P", "D"):
+            pid = h[e].info["pid"]
+            names = h[e].call("thread_names")
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                self._tasks.append((f"{e}:{names.get(int(task.name), 'native')}", task / "schedstat"))
+
+    def read(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for name, path in self._tasks:
+            # (A thread that ended meanwhile is skipped.)
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                out[name] += int(path.read_text().split()[0]) / 1e9
+        return out
+
+
+def _batch(h: PushHarness, clock: ProcessClock, traced: bool, batch: int) -> tuple[float, dict]:
+    """One measured batch: wall seconds, CPU seconds by thread."""
+    h.reuse_blocks("P", "D")
+    before = clock.read()
     t0 = time.perf_counter()
-    push_batches(h, requests, batch)
+    report = h.push(batch, verify=False, bulk=BULK)
     if traced:
         for e in ("P", "D"):
-            h[e].call("spans")  # force_flush: the round's spans leave within the round
+            h[e].call("spans")  # force_flush: the batch's spans leave within it
     wall = time.perf_counter() - t0
-    after = [h[e].call("thread_cpu") for e in ("P", "D")]
-    n = (requests // batch) * batch
-    threads = {f"{side}:{k}": v / n for side, a, b in zip(("P", "D"), after, before)
-               for k, v in _diff(a, b).items()}
-    return sum(threads.values()), wall / n, threads
+    after = clock.read()
+    assert not report.failed, report
+    return wall, _diff(after, before)
 
 
-def cpu_ab_bench(sessions: int, rounds: int, requests: int, batch: int,
+def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                  names: list[str]) -> dict[str, Any]:
+    """Per pair and round: `batches` batches per mode, the mode alternating batch by
+    batch (ABBA), CPU and wall summed per mode; the round's ratio is fork / stock."""
     rx = OtlpGrpcReceiver()
     ratios: dict[str, list[float]] = {n: [] for n in names}
     wall_ratios: dict[str, list[float]] = {n: [] for n in names}
@@ -78,37 +103,45 @@ def cpu_ab_bench(sessions: int, rounds: int, requests: int, batch: int,
     try:
         for session in range(sessions):
             pairs: dict[str, PushHarness] = {}
+            clocks: dict[str, ProcessClock] = {}
             try:
                 for name in names[session % len(names):] + names[:session % len(names)]:
                     kw = dict(PAIRS[name])
                     if "tracing" in kw:
                         kw["tracing"] = {"endpoint": rx.endpoint, "protocol": "grpc", **kw["tracing"]}
-                    pairs[name] = PushHarness.pd(
+                    pairs[name] = h = PushHarness.pd(
                         workdir=tempfile.mkdtemp(prefix=f"bench-ab-{name}-"), connector=FORK,
                         num_blocks=2 * batch + 8, **kw).start()
-                    h = pairs[name]
                     assert h.push(20).ok  # warm-up: handshakes, first connections
-                    for stock in (True, False):  # one unmeasured round of each mode
+                    for stock in (True, False):  # unmeasured batches of each mode
                         _set_mode(h, stock)
-                        push_batches(h, requests, batch)
+                        push_batches(h, 4 * batch, batch)
+                    clocks[name] = ProcessClock(h)  # (every thread has started by now)
                     h.pause()
                 print(f"  session {session + 1}: {len(pairs)} pairs up "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
                 for r in range(rounds):
                     for name in names[r % len(names):] + names[:r % len(names)]:
-                        h = pairs[name]
+                        h, traced = pairs[name], "tracing" in PAIRS[name]
                         h.resume()
-                        got: dict[bool, tuple[float, float, dict]] = {}
-                        for stock in ((True, False) if r % 2 == 0 else (False, True)):  # ABBA
+                        spent = {True: defaultdict(float), False: defaultdict(float)}
+                        wall = {True: 0.0, False: 0.0}
+                        for i in range(2 * batches):
+                            stock = (i % 4) in (0, 3)  # ABBA: S F F S S F F S ...
                             _set_mode(h, stock)
-                            got[stock] = _round(h, "tracing" in PAIRS[name], requests, batch)
+                            w, by_thread = _batch(h, clocks[name], traced, batch)
+                            wall[stock] += w
+                            for k, v in by_thread.items():
+                                spent[stock][k] += v
                         h.pause()
-                        ratios[name].append(got[False][0] / got[True][0])
-                        wall_ratios[name].append(got[False][1] / got[True][1])
+                        n = batches * batch
+                        total = {m: sum(spent[m].values()) / n for m in (True, False)}
+                        ratios[name].append(total[False] / total[True])
+                        wall_ratios[name].append(wall[False] / wall[True])
                         for stock, mode in ((True, "stock"), (False, "fork")):
-                            cpu[name][mode].append(got[stock][0])
-                            for k, v in got[stock][2].items():
-                                threads[name][mode][k].append(v)
+                            cpu[name][mode].append(total[stock])
+                            for k, v in spent[stock].items():
+                                threads[name][mode][k].append(v / n)
                     print(f"  session {session + 1}, round {r + 1}/{rounds}: " + ", ".join(
                         f"{n} x{ratios[n][-1]:.3f}" for n in names), flush=True)
                 for name in names:
@@ -118,8 +151,10 @@ def cpu_ab_bench(sessions: int, rounds: int, requests: int, batch: int,
                     h.stop()
     finally:
         rx.close()
+    per_round = batches * batch
     print(f"\n== CPU per pushed request, fork / stock in the same processes (P+D, all threads), "
-          f"{sessions} sessions x {rounds} round pairs x {requests} requests")
+          f"{sessions} sessions x {rounds} rounds x {per_round} requests per mode, the mode "
+          f"alternating every {batch}")
     print(f"{'pair':>7}  {'stock us':>9}  {'fork us':>9}  {'fork/stock: median [min-max]':>30}  "
           f"{'wall fork/stock':>22}  per session")
     for name in names:
@@ -148,9 +183,9 @@ def cpu_ab_bench(sessions: int, rounds: int, requests: int, batch: int,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=8, help="round pairs (stock + fork) per session")
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=8, help="rounds per session")
+    ap.add_argument("--batches", type=int, default=6, help="batches per mode and round")
+    ap.add_argument("--batch", type=int, default=50, help="requests per batch")
     ap.add_argument("--pairs", default="off,on", help=f"comma-separated subset of {', '.join(PAIRS)}")
     args = ap.parse_args(argv)
     names = [n for n in args.pairs.split(",") if n]
@@ -159,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"pairs come from {', '.join(PAIRS)}; got {unknown or names}")
     os.environ.setdefault(LOG_DIR_ENV, tempfile.mkdtemp(prefix="bench-ab-logs-"))
     print(f"engine logs: {os.environ[LOG_DIR_ENV]}", flush=True)
-    cpu_ab_bench(args.sessions, args.rounds, args.requests, args.batch, names)
+    cpu_ab_bench(args.sessions, args.rounds, args.batches, args.batch, names)
     return 0
 
 

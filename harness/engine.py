@@ -511,8 +511,19 @@ class Engine:
             self._swap.to_fork()
         return type(self.worker).__name__
 
+    def cmd_thread_names(self) -> dict[int, str]:
+        """Native thread id -> Python thread name (numbered suffixes dropped), for a
+        benchmark that reads this process's per-thread run time from outside."""
+        return {t.native_id: re.sub(r"[_-]\d+$", "", t.name) for t in threading.enumerate()
+                if t.native_id is not None}
+
     def cmd_rss(self) -> int:
         return _rss_bytes()
+
+    def cmd_many(self, calls: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        """Several commands in one round trip, before the next step (what one vLLM
+        scheduler step hands its worker under load: many requests at once)."""
+        return [getattr(self, f"cmd_{name}")(*args) for name, args in calls]
 
     def cmd_now(self) -> float:
         return time.perf_counter()

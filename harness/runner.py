@@ -245,7 +245,7 @@ class PushHarness:
 
     def push(self, n_requests: int, *, prefill: str = "P", decode: str = "D",
              blocks_per_request: int = 2, heartbeat: bool = True, lease_s: float = 30.0,
-             timeout_s: float = 60.0, verify: bool = True,
+             timeout_s: float = 60.0, verify: bool = True, bulk: bool = False,
              trace_headers: list[tuple[dict[str, str] | None, dict[str, str] | None]] | None = None,
              ) -> PushReport:
         """Drive `n_requests` through the real push flow and verify D's bytes.
@@ -255,25 +255,42 @@ class PushHarness:
         D scheduler does); P finishes the prefill and hands over the blocks. Both
         are sent together, so PUSH_REG and finished blocks meet in either order.
         `trace_headers`, one (D headers, P headers) pair per request, are the W3C
-        headers each leg's request arrived with (None: no trace context).
+        headers each leg's request arrived with (None: no trace context). `bulk`: all
+        requests in one command per engine (one D step registers them all, one P step
+        finishes them all), as under load, instead of one round trip each.
         """
         if trace_headers is not None and len(trace_headers) != n_requests:
             raise ValueError("trace_headers needs one (D, P) pair per request")
         p, d = self.engines[prefill], self.engines[decode]
         pairs: list[tuple[str, str, list[int], list[int]]] = []
+        fills = []
         for _ in range(n_requests):
             base = f"cmpl-{secrets.token_hex(6)}"
             p_id, d_id = f"{base}-{secrets.token_hex(4)}", f"{base}-{secrets.token_hex(4)}"
             p_blocks, d_blocks = p.allocate(blocks_per_request), d.allocate(blocks_per_request)
             self._seed += 1
-            p.call("fill", p_blocks, self._seed)
+            fills.append(("fill", (p_blocks, self._seed)))
             pairs.append((p_id, d_id, p_blocks, d_blocks))
+        if bulk:
+            p.call("many", fills)
+        else:
+            for name, args in fills:
+                p.call(name, *args)
         started: dict[str, float] = {}
+        registers, finishes = [], []
         for i, (p_id, d_id, p_blocks, d_blocks) in enumerate(pairs):
             d_headers, p_headers = trace_headers[i] if trace_headers else (None, None)
-            started[d_id] = d.call("now")
-            d.call("register", d_id, d_blocks, p.address, p_id, heartbeat, d_headers)
-            p.call("finish", p_id, p_blocks, lease_s, p_headers)
+            registers.append(("register", (d_id, d_blocks, p.address, p_id, heartbeat, d_headers)))
+            finishes.append(("finish", (p_id, p_blocks, lease_s, p_headers)))
+            if not bulk:
+                started[d_id] = d.call("now")
+                d.call("register", *registers[-1][1])
+                p.call("finish", *finishes[-1][1])
+        if bulk:  # all registrations in one D step, all finished prefills in one P step
+            now = d.call("now")
+            started = {pair[1]: now for pair in pairs}
+            d.call("many", registers)
+            p.call("many", finishes)
         d_ids = {pair[1] for pair in pairs}
         results = d.call("await_results", sorted(d_ids), timeout_s, timeout=timeout_s + 30)
         finished = results.get("finished_recving", {})

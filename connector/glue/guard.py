@@ -85,10 +85,12 @@ WORKER_CALLS: tuple[Call, ...] = (
     Call("worker", "_send_registration_to_p", (_ANY, _ANY)),
     Call("worker", "_do_send_reg_notif", (_ANY, _ANY)),
     Call("worker", "_do_start_push_kv", (_ANY, _ANY, _ANY)),
+    Call("worker", "_push_writer_loop"),
     Call("worker", "_xfer_blocks", None, position=("request_id", 2)),
     Call("worker", "_log_failure", (_ANY, _ANY, _ANY, _ANY, _ANY), {"remote_engine_id": _ANY}),
     Call("worker", "get_transfer_results"),
     Call("worker", "_handle_push_reg_notif", (_ANY,)),
+    Call("worker", "_pop_matching_finished_blocks", (_ANY,)),
     Call("topology", "handshake_target_ranks", (_ANY, _ANY)),
     Call("stats", "__post_init__"),
     Call("stats", "reset"),
@@ -109,7 +111,7 @@ WORKER_ATTRIBUTES: tuple[str, ...] = (
     "use_host_buffer", "device_id", "compat_hash", "enforce_compat_hash", "_is_csa_linear",
     "block_size", "src_xfer_handles_by_block_size", "block_len_per_layer",
     "pp_size", "_remote_region_offset", "_pending_completion_notifs", "_failed_recv_reqs",
-    "_recving_metadata", "_push_finished_blocks",
+    "_recving_metadata", "_push_finished_blocks", "_pending_d_registrations",
 )
 # Attributes vLLM's worker sets later (when KV caches are registered) that the fork reads:
 # checked in the source, as assignments `self.<name> = ...` somewhere in the worker classes.

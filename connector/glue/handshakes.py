@@ -130,6 +130,16 @@ class HandshakeFlow:
     """
 
     # ------------------------------------------------------------------ triggers
+    def _push_writer_loop(self) -> None:
+        """vLLM's writer thread, whose untagged handshakes are, by default, for what
+        this role's writer does (P: a WRITE, D: a PUSH_REG; none for kv_both, whose
+        writer does both). vLLM calls `_do_start_push_kv` and
+        `_send_registration_to_p` only from here, so without a span to parent on
+        they need no scope of their own."""
+        if self._writer_trigger is not None:
+            self._trigger_local.trigger = self._writer_trigger
+        super()._push_writer_loop()
+
     def _triggered_by(self, trigger: Trigger, parent: Any = None) -> TriggerScope:
         return TriggerScope(self._trigger_local, trigger, parent)
 
@@ -167,11 +177,17 @@ class HandshakeFlow:
                           *args: Any, **kwargs: Any) -> Future | None:
         """Start (or join) the handshake to `engine_id`; None when already usable."""
         trigger = getattr(self._trigger_local, "trigger", None) or Trigger.OTHER
-        # Every PUSH_REG and heartbeat asks: bind the optional arguments only when the
-        # caller's own flavor request matters (an untagged caller) or a handshake starts.
-        tail = None if trigger in _FLAVOR_BY_TRIGGER else bind_handshake_tail(args, kwargs)
-        direction, notif_only = self._flavor_for(
-            trigger, bool(tail and tail.get("notif_agents_only", False)))
+        # Every PUSH_REG, WRITE and heartbeat asks: bind the optional arguments only
+        # when the caller's own flavor request matters (an untagged caller) or a
+        # handshake starts.
+        flavor = _FLAVOR_BY_TRIGGER.get(trigger)
+        if flavor is not None:
+            tail = None
+            direction, notif_only = flavor
+        else:
+            tail = bind_handshake_tail(args, kwargs)
+            direction, notif_only = self._flavor_for(
+                trigger, bool(tail and tail.get("notif_agents_only", False)))
         self._evict_stale_engines()
         with self._handshake_lock:
             connected = engine_id in self._remote_agents

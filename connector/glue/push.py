@@ -172,20 +172,29 @@ class PushFlow:
         if problem is not None:
             self._reject_push_reg(problem[0], problem[1], notif)
             return
+        request_id = reg["request_id"]
         # Only after a lease ended unpushed can a PUSH_REG be late (the common case
         # skips both checks, each a regex per request id).
-        if (self._lease_expired_bases and not self._has_finished_blocks_for(reg["request_id"])
+        if (self._lease_expired_bases and not self._has_finished_blocks_for(request_id)
                 and self._registration_is_late(reg)):
             self._reject_late_registration(reg, notif)  # upstream: pending for ever
             return
+        # vLLM's intake, in our words, on the PUSH_REG decoded and checked above (vLLM's
+        # own `_handle_push_reg_notif` would decode it a second time: ~1 us a request on
+        # the writer thread, which every push waits for): the WRITE starts now when P's
+        # blocks are ready, else the registration waits for them.
         try:
-            super()._handle_push_reg_notif(notif)
+            match = self._pop_matching_finished_blocks(request_id)
+            if match is None:
+                self._pending_d_registrations[request_id] = reg
+            else:
+                self._do_start_push_kv(match[0], match[1], reg)
         except Exception as exc:
             # Already counted as a push failure where it was known; keep the batch going.
             self._reject_push_reg(PushRegRejection.FAILED, f"{type(exc).__name__}: {exc}", notif,
                                   exc_info=True)
             return
-        if self._early_p_to_d and reg["request_id"] in self._pending_d_registrations:
+        if match is None and self._early_p_to_d:
             self._start_early_handshake(reg)
 
     def _has_finished_blocks_for(self, d_request_id: str) -> bool:
@@ -205,6 +214,9 @@ class PushFlow:
         connection ready or joins this very handshake; if this one fails, the WRITE
         path tries again as it always did, so no request fails because of it.
         """
+        eid = reg.get("decode_engine_id")
+        if eid in self._remote_agents and eid not in self._notif_only_engines:
+            return  # (the usual case: connected already; plain dict lookups)
         try:
             # Its span sits in the request's trace, under D's register span.
             parent = _decoder_context(reg) if self._spans.enabled else None
@@ -253,9 +265,12 @@ class PushFlow:
             self._note_handshake_wait(request_id, span)
         try:
             # The handshake this WRITE may start is tagged with its trigger and parented
-            # on its span.
-            self._in_scope(Trigger.PUSH_WRITE, span, super()._do_start_push_kv,
-                           request_id, local_block_ids, registration_data)
+            # on its span (without a span, P's writer thread tags it already).
+            if span is None and self._writer_trigger is Trigger.PUSH_WRITE:
+                super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+            else:
+                self._in_scope(Trigger.PUSH_WRITE, span, super()._do_start_push_kv,
+                               request_id, local_block_ids, registration_data)
         except Exception as exc:
             # Upstream this escapes into the writer's batch loop and drops the rest of
             # the batch. It costs this request only (its lease reclaims the blocks).
@@ -317,10 +332,13 @@ class PushFlow:
                     req_id = args[_XFER_REQ_ID_POS]
                 else:
                     req_id = _XFER_BLOCKS_SIG.bind(self, *args, **kwargs).arguments["request_id"]
+                # (`_count_push_once`, inlined: this runs for every WRITE.)
+                with self._push_lock:
+                    first = self._pushing.add(req_id)
+                if first:
+                    self.xfer_stats.record_push(StatKey.PUSHES_STARTED)
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
-            else:
-                self._count_push_once(self._pushing, req_id, StatKey.PUSHES_STARTED)
         return handle
 
     def _count_push_once(self, seen: Any, req_id: str, key: str) -> None:

@@ -43,8 +43,7 @@ class ReceiveFlow:
     def _start_receives(self, registrations: dict[str, dict[str, Any]]) -> None:
         """Time every receive (histogram); open its span when tracing is on. (Called
         from the worker's `start_load_kv` with the registrations vLLM hands over.)"""
-        for req_id in registrations:
-            self._receive_clock.start(req_id)
+        self._receive_clock.start_all(registrations)
         if self._spans.enabled:
             try:
                 self._open_receive_spans(registrations)
@@ -73,8 +72,12 @@ class ReceiveFlow:
                 span, reg_data = self._open_register_span(req_id, reg_data)
             except Exception as exc:
                 errors.note(TelemetryError.SPAN, exc)
-        # A handshake this starts is tagged PUSH_REG and parented on the register span.
-        self._in_scope(Trigger.PUSH_REG, span, super()._send_registration_to_p, req_id, reg_data)
+        # A handshake this starts is tagged PUSH_REG and parented on the register span
+        # (without a span, D's writer thread tags it already).
+        if span is None and self._writer_trigger is Trigger.PUSH_REG:
+            super()._send_registration_to_p(req_id, reg_data)
+        else:
+            self._in_scope(Trigger.PUSH_REG, span, super()._send_registration_to_p, req_id, reg_data)
 
     def _open_register_span(self, req_id: str,
                             reg_data: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -102,17 +105,18 @@ class ReceiveFlow:
         return span, reg_data
 
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
-        with self._handshake_lock:
-            # (`dict.get`: the table hides an engine only from the handshake thread's
-            # own lookups; this is the writer thread, so the plain lookup is the same.)
-            num_agents = len(dict.get(self._remote_agents, reg_data.get("remote_engine_id")) or ())
+        # (No lock: one dict lookup and a len() are atomic under the GIL. `dict.get`:
+        # the table hides an engine only from the handshake thread's own lookups; this
+        # is the writer thread, so the plain lookup is the same.)
+        num_agents = len(dict.get(self._remote_agents, reg_data.get("remote_engine_id")) or ())
         self._trigger_local.reg_failures = 0
         super()._do_send_reg_notif(req_id, reg_data)
         failed = self._trigger_local.reg_failures if num_agents else 1
         try:
-            for _ in range(num_agents - failed if num_agents else 0):
-                self.xfer_stats.record_push_reg_notif(sent=True)
-            if not num_agents:
+            if num_agents:
+                if num_agents > failed:
+                    self.xfer_stats.record_push_reg_notif(sent=True, count=num_agents - failed)
+            else:
                 self.xfer_stats.record_push_reg_notif(sent=False)
             if not self._spans.enabled:
                 return

@@ -50,7 +50,6 @@ from connector.telemetry.tracing import SpanEmitter, resolve_tracer, span_ids
 from connector.vocabulary import (
     METADATA_TRACE_ATTR,
     ReceiveOutcome,
-    StatKey,
     TelemetryError,
     Trigger,
 )
@@ -99,6 +98,9 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         self._handshake_timeout_ms = int(extra("handshake_timeout_ms", DEFAULT_HANDSHAKE_TIMEOUT_MS))
         self._kv_role = self.kv_transfer_config.kv_role
         self._hb_handshake_notif_only = True
+        # What an untagged handshake on vLLM's writer thread is for (handshakes.py).
+        self._writer_trigger = {"kv_producer": Trigger.PUSH_WRITE,
+                                "kv_consumer": Trigger.PUSH_REG}.get(self._kv_role)
         self.xfer_stats = ObservedNixlStats()
         self.nixl_wrapper = NixlAgentProbe(self.nixl_wrapper)
         self._remote_agents = RemoteAgentTable(self._remote_agents)
@@ -236,7 +238,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
                     self._lease_expired.add(req_id)
                     self._note_lease_expired(req_id)
             if pushed and not failed:
-                self.xfer_stats.record_push(StatKey.PUSHES_COMPLETED)
+                self.xfer_stats.record_push_completed()
             if tracing:
                 span = self._write_spans.pop(req_id)
                 self._request_contexts.pop(req_id)
@@ -246,12 +248,16 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
                     SpanEmitter.end(span, error_type="lease_expired",
                                     message="KV lease ended before the WRITE completed")
         clock = self._receive_clock
+        record = self.xfer_stats.record_receive
         for req_id in results.finished_recving:
             failed = req_id in results.failed_recving
-            span = None
-            if tracing:
-                SpanEmitter.end(self._register_spans.pop(req_id))
-                span = self._receive_spans.pop(req_id)
+            if not tracing:
+                seconds = clock.stop(req_id)
+                if seconds is not None:
+                    record(_FAILURE if failed else _SUCCESS, seconds, None)
+                continue
+            SpanEmitter.end(self._register_spans.pop(req_id))
+            span = self._receive_spans.pop(req_id)
             self._record_receive(_FAILURE if failed else _SUCCESS, clock.stop(req_id), span)
             if span is None:
                 continue

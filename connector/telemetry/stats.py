@@ -48,12 +48,12 @@ class ObservedNixlStats(NixlKVConnectorStats):
             self._reset()
 
     def _reset(self) -> None:
-        super().reset()  # binds a new dict; the old one belongs to the clone
-        # Every interval's dict names all our keys (what a reader of the dict vLLM
-        # ships to the API server may expect, as of a stock one).
-        data = self.data
-        for key in OUR_STAT_KEYS:
-            data[key] = []
+        # Binds a new dict; the old one belongs to the clone. Our keys are added as
+        # records arrive (`_append`), not here: a D ships an interval per step with a
+        # receive, and twelve empty lists built and serialized per interval were most
+        # of what that cost. The API server's rebuilt object adds the missing keys
+        # (`__post_init__`), so readers there still find every key.
+        super().reset()
         self._has_ours = False
 
     def clone_and_reset(self) -> ObservedNixlStats:
@@ -74,8 +74,15 @@ class ObservedNixlStats(NixlKVConnectorStats):
     def record_handshake(self, record: HandshakeRecord) -> None:
         self._append(StatKey.HANDSHAKES, record.to_stats())
 
-    def record_push_reg_notif(self, sent: bool) -> None:
-        self._append(StatKey.PUSH_REG_SENT if sent else StatKey.PUSH_REG_FAILED, 1)
+    def record_push_reg_notif(self, sent: bool, count: int = 1) -> None:
+        """`count` PUSH_REG notifications sent (one per P agent reached) or not."""
+        key = StatKey.PUSH_REG_SENT if sent else StatKey.PUSH_REG_FAILED
+        if count == 1:
+            self._append(key, 1)
+            return
+        with _LOCK:
+            self.data.setdefault(key, []).extend([1] * count)
+            self._has_ours = True
 
     def record_push(self, key: str) -> None:
         self._append(key, 1)
@@ -106,11 +113,22 @@ class ObservedNixlStats(NixlKVConnectorStats):
             self._has_ours = True
 
     def record_receive(self, outcome: str, seconds: float, ids: tuple[str, str] | None) -> None:
-        """One D-side receive; `ids` (trace id, span id) of its span become the exemplar."""
+        """One D-side receive; `ids` (trace id, span id) of its span become the exemplar.
+
+        Engine main thread only: the thread that also takes the interval's stats
+        (`clone_and_reset`), so no record can race the swap and no lock is taken (other
+        threads' appends to other keys of the same dict are single dict operations,
+        atomic under the GIL)."""
         rec: dict[str, Any] = {"outcome": outcome, "duration": seconds}
         if ids is not None:
             rec["trace_id"], rec["span_id"] = ids
-        self._append(StatKey.RECEIVES, rec)
+        self.data.setdefault(StatKey.RECEIVES, []).append(rec)
+        self._has_ours = True
+
+    def record_push_completed(self) -> None:
+        """One push completed (engine main thread only; see `record_receive`)."""
+        self.data.setdefault(StatKey.PUSHES_COMPLETED, []).append(1)
+        self._has_ours = True
 
     # -- vLLM's contract ---------------------------------------------------------
     def is_empty(self) -> bool:
