@@ -2,19 +2,27 @@
 
 `cpu_cost` compares a stock pair of engine processes with fork pairs. Two pairs started
 alike can differ by 10-20% for their whole life (its A/A pair), so it resolves about
-+-5% after 20 minutes. Here each fork pair also runs vLLM's stock code paths: between
-rounds its engines swap the fork's classes and wrappers for vLLM's own
-(`harness/stock_swap.py`), so a stock round and a fork round run in the very same
-processes, threads and memory, and their ratio has no pair offset in it.
++-5% after 20 minutes. Here each fork pair also runs vLLM's stock code paths: before
+each batch its engines swap the fork's classes and wrappers for vLLM's own, or back
+(`harness/stock_swap.py`), so stock and fork batches run in the very same processes,
+threads and memory, with no pair offset between them.
 
 Pairs: the fork with tracing off, and with tracing on (always-on sampler, batch export
-over OTLP/gRPC to a local receiver, flushed at the end of every round, stock rounds
-included). Each session starts the pairs afresh; each pair then runs `--rounds` round
-pairs, stock and fork in alternating order (ABBA), `--requests` requests each, while
-the other pairs are frozen (SIGSTOP). Reported per pair: the median of the per-round
-ratios fork / stock with [min-max], the same for wall time, and CPU by thread.
+over OTLP/gRPC to a local receiver, flushed at the end of every batch, stock batches
+included). Each session starts the pairs afresh; each round then pushes `--batches`
+batches per mode through one pair, the mode alternating batch by batch (ABBA), while
+the other pairs are frozen (SIGSTOP). CPU is read from outside the engines
+(`/proc/<pid>/task/*/schedstat`), so measuring costs them nothing. `--bulk` hands each
+batch to each engine in one command (one D step registers all of it, one P step
+finishes all of it), as under load, instead of one round trip per request.
 
-    python -m benchmarks.cpu_ab [--sessions 2] [--rounds 8] [--requests 300] [--pairs off,on]
+Reported per pair: the median over rounds of fork / stock CPU with [min-max], the same
+for wall time, each session's median, and CPU by thread. In this harness CPU follows
+wall time closely (engine loops stepping at 1 kHz, NIXL progress threads and vLLM's
+writer polling), so a batch's CPU spreads as widely as its wall time does.
+
+    python -m benchmarks.cpu_ab [--sessions 2] [--rounds 8] [--batches 6] [--batch 50]
+        [--bulk] [--pairs off,on]
 """
 
 from __future__ import annotations
@@ -35,7 +43,6 @@ from harness import PushHarness
 from harness.config import FORK
 from harness.runner import LOG_DIR_ENV
 
-BULK = os.environ.get("CPU_AB_BULK") == "1"
 _SDK_DEFAULT_DELAY = {"schedule_delay_ms": 5000}
 PAIRS: dict[str, dict[str, Any]] = {
     "off": {},
@@ -73,12 +80,13 @@ class ProcessClock:
         return out
 
 
-def _batch(h: PushHarness, clock: ProcessClock, traced: bool, batch: int) -> tuple[float, dict]:
+def _batch(h: PushHarness, clock: ProcessClock, traced: bool, batch: int,
+           bulk: bool = False) -> tuple[float, dict]:
     """One measured batch: wall seconds, CPU seconds by thread."""
     h.reuse_blocks("P", "D")
     before = clock.read()
     t0 = time.perf_counter()
-    report = h.push(batch, verify=False, bulk=BULK)
+    report = h.push(batch, verify=False, bulk=bulk)
     if traced:
         for e in ("P", "D"):
             h[e].call("spans")  # force_flush: the batch's spans leave within it
@@ -89,7 +97,7 @@ def _batch(h: PushHarness, clock: ProcessClock, traced: bool, batch: int) -> tup
 
 
 def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
-                 names: list[str]) -> dict[str, Any]:
+                 names: list[str], bulk: bool = False) -> dict[str, Any]:
     """Per pair and round: `batches` batches per mode, the mode alternating batch by
     batch (ABBA), CPU and wall summed per mode; the round's ratio is fork / stock."""
     rx = OtlpGrpcReceiver()
@@ -129,7 +137,7 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                         for i in range(2 * batches):
                             stock = (i % 4) in (0, 3)  # ABBA: S F F S S F F S ...
                             _set_mode(h, stock)
-                            w, by_thread = _batch(h, clocks[name], traced, batch)
+                            w, by_thread = _batch(h, clocks[name], traced, batch, bulk)
                             wall[stock] += w
                             for k, v in by_thread.items():
                                 spent[stock][k] += v
@@ -154,7 +162,7 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
     per_round = batches * batch
     print(f"\n== CPU per pushed request, fork / stock in the same processes (P+D, all threads), "
           f"{sessions} sessions x {rounds} rounds x {per_round} requests per mode, the mode "
-          f"alternating every {batch}")
+          f"alternating every {batch}" + (", bulk" if bulk else ""))
     print(f"{'pair':>7}  {'stock us':>9}  {'fork us':>9}  {'fork/stock: median [min-max]':>30}  "
           f"{'wall fork/stock':>22}  per session")
     for name in names:
@@ -186,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=8, help="rounds per session")
     ap.add_argument("--batches", type=int, default=6, help="batches per mode and round")
     ap.add_argument("--batch", type=int, default=50, help="requests per batch")
+    ap.add_argument("--bulk", action="store_true",
+                    help="each batch in one command per engine (one D step registers it all, "
+                         "one P step finishes it all), as under load")
     ap.add_argument("--pairs", default="off,on", help=f"comma-separated subset of {', '.join(PAIRS)}")
     args = ap.parse_args(argv)
     names = [n for n in args.pairs.split(",") if n]
@@ -194,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"pairs come from {', '.join(PAIRS)}; got {unknown or names}")
     os.environ.setdefault(LOG_DIR_ENV, tempfile.mkdtemp(prefix="bench-ab-logs-"))
     print(f"engine logs: {os.environ[LOG_DIR_ENV]}", flush=True)
-    cpu_ab_bench(args.sessions, args.rounds, args.batches, args.batch, names)
+    cpu_ab_bench(args.sessions, args.rounds, args.batches, args.batch, names, args.bulk)
     return 0
 
 
