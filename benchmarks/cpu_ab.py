@@ -64,19 +64,28 @@ class ProcessClock:
     schedstat`, nanoseconds), so reading costs the engines nothing."""
 
     def __init__(self, h: PushHarness):
-        self._tasks: list[tuple[str, Path]] = []
+        self._tasks: list[tuple[str, int, Path]] = []
         for e in ("P", "D"):
             pid = h[e].info["pid"]
             names = h[e].call("thread_names")
             for task in Path(f"/proc/{pid}/task").iterdir():
-                self._tasks.append((f"{e}:{names.get(int(task.name), 'native')}", task / "schedstat"))
+                tid = int(task.name)
+                self._tasks.append((f"{e}:{names.get(tid, 'native')}", tid, task / "schedstat"))
 
     def read(self) -> dict[str, float]:
+        """CPU seconds by "engine:thread name" (threads outside Python: "native")."""
         out: dict[str, float] = defaultdict(float)
-        for name, path in self._tasks:
+        for (name, _), seconds in self.read_threads().items():
+            out[name] += seconds
+        return out
+
+    def read_threads(self) -> dict[tuple[str, int], float]:
+        """CPU seconds by (name, native thread id)."""
+        out: dict[tuple[str, int], float] = {}
+        for name, tid, path in self._tasks:
             # (A thread that ended meanwhile is skipped.)
             with contextlib.suppress(OSError, ValueError, IndexError):
-                out[name] += int(path.read_text().split()[0]) / 1e9
+                out[(name, tid)] = int(path.read_text().split()[0]) / 1e9
         return out
 
 

@@ -7,8 +7,18 @@ process, the share of samples whose stack passes through this project's code
 (`connector/`), the top functions of ours by inclusive share, and writes the
 collapsed stacks (flame-graph input) next to the engine logs.
 
+It also prices the fork's own work per request. Each sample is attributed to whoever
+runs at its deepest frame of this project, of vLLM or of the harness: a sample in our
+code, or in the standard library or OpenTelemetry called from it, is ours; one in vLLM's
+code (NIXL calls included) is vLLM's, even below one of our wrappers. Each Python
+thread's share of ours times that thread's CPU per request (read from
+`/proc/<pid>/task/*/schedstat` over the sampling window) is the fork's own CPU per
+request on that thread. It leaves out what the fork costs indirectly: in this harness
+every thread's CPU grows with wall time (loops stepping and polling at 1-10 kHz), so a
+longer push costs CPU wherever it waits; `cpu_ab` measures the whole.
+
     pip install py-spy   # not a project dependency
-    python -m benchmarks.profile_push [--seconds 20] [--batch 50] [--no-tracing]
+    python -m benchmarks.profile_push [--seconds 20] [--batch 50] [--bulk] [--no-tracing]
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.cpu_ab import ProcessClock
 from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
 from harness.config import FORK, STOCK
@@ -37,6 +48,39 @@ def _our_file(frame: str) -> str | None:
     `kv_connector/` paths are not ours: py-spy prints our files relative, theirs under vllm/)."""
     path = frame.rpartition(" (")[2].split(":")[0]
     return path if path.startswith(OURS) else None
+
+
+def _owner(frames: list[str]) -> str:
+    """Whose code runs in this sample: the deepest frame of ours, vLLM's or the harness's."""
+    for frame in reversed(frames):
+        where = frame.rpartition(" (")[2]
+        if where.startswith(OURS):
+            return "ours"
+        if where.startswith(("vllm/", "harness/", "nixl")):
+            return "theirs"
+    return "theirs"
+
+
+def _own_cost(path: Path, cpu: dict[tuple[str, int], float], requests: int) -> dict[str, float]:
+    """Thread name -> the fork's own CPU per request (us) on it (see module docstring)."""
+    ours: collections.Counter[int] = collections.Counter()
+    total: collections.Counter[int] = collections.Counter()
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        head = frames[0]  # "thread (<tid>): <name>" or "thread (<tid>)"
+        try:
+            tid = int(head.split("(", 1)[1].split(")", 1)[0], 0)
+        except (IndexError, ValueError):
+            continue
+        total[tid] += int(count)
+        if _owner(frames) == "ours":
+            ours[tid] += int(count)
+    out: dict[str, float] = collections.defaultdict(float)
+    for (name, tid), seconds in cpu.items():
+        if total[tid]:
+            out[name] += ours[tid] / total[tid] * seconds / max(requests, 1) * 1e6
+    return out
 
 
 def _summary(path: Path, name: str, top: int) -> None:
@@ -63,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--no-tracing", action="store_true")
+    ap.add_argument("--bulk", action="store_true", help="one command per engine per batch (as under load)")
+    ap.add_argument("--blocking", action="store_true",
+                    help="pause the engines for each sample: exact stacks (without it a sample "
+                         "can mix two moments' frames), at some cost to the engines")
     ap.add_argument("--sampler", default=None,
                     help="OTEL_TRACES_SAMPLER for the engines, e.g. parentbased_always_off")
     ap.add_argument("--gil", action="store_true",
@@ -92,20 +140,23 @@ def main(argv: list[str] | None = None) -> int:
             def drive() -> None:
                 while not stop.is_set():
                     h.reuse_blocks("P", "D")  # the cache is small on purpose
-                    report = h.push(args.batch, verify=False)
+                    report = h.push(args.batch, verify=False, bulk=args.bulk)
                     pushed[0] += len(report.requests)
 
+            clock = ProcessClock(h)  # (asks the engines: before the driver shares their pipes)
             driver = threading.Thread(target=drive, daemon=True)
             driver.start()
             time.sleep(2)  # a benchmark's ramp-up, not a synchronisation
+            before, pushed_before = clock.read_threads(), pushed[0]
             profiles = {n: out / f"{n}.collapsed.txt" for n in ("P", "D")}
+            flags = ([] if args.blocking else ["--nonblocking"]) + (["--gil"] if args.gil else [])
             procs = [subprocess.Popen([spy, "record", "-p", str(h[n].info["pid"]), "-d", str(args.seconds),
-                                       "-f", "raw", "-o", str(p), "-r", "200", "--nonblocking", "--threads"]
-                                      + (["--gil"] if args.gil else []),
+                                       "-f", "raw", "-o", str(p), "-r", "200", "--threads", *flags],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for n, p in profiles.items()]
             for proc in procs:
                 proc.wait()
+            after, pushed_after = clock.read_threads(), pushed[0]
             stop.set()
             driver.join(120)
     finally:
@@ -114,6 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pushed {pushed[0]} requests while sampling ({'tracing on' if tracing else 'tracing off'})")
     for name, path in profiles.items():
         _summary(path, f"{name} engine", args.top)
+    requests = pushed_after - pushed_before
+    cpu = {k: after[k] - before.get(k, 0.0) for k in after}
+    own = collections.Counter()
+    for path in profiles.values():
+        own.update(_own_cost(path, cpu, requests))
+    python_cpu = sum(v for (name, _), v in cpu.items() if not name.endswith(":native")) / max(requests, 1)
+    all_cpu = sum(cpu.values()) / max(requests, 1)
+    print(f"\nthe {args.connector} connector's own CPU per request (its code and what it calls, "
+          f"from sample shares x thread CPU; {requests} requests in the window):")
+    for name, us in sorted(own.items()):
+        if us >= 0.05:
+            print(f"  {name:<28} {us:6.1f} us")
+    print(f"  {'all threads':<28} {sum(own.values()):6.1f} us of {all_cpu * 1e6:.0f} us per request "
+          f"({python_cpu * 1e6:.0f} us in Python threads): {100 * sum(own.values()) / (all_cpu * 1e6):.1f}%")
     print(f"\ncollapsed stacks: {', '.join(str(p) for p in profiles.values())}")
     return 0
 

@@ -38,3 +38,12 @@ def test_span_cost_benchmark_runs_both_tracers_through_the_batch_processor():
     result = span_cost.span_cost_bench(repeats=1, n=50)  # asserts every span reached the exporter
     assert set(result) == {"sdk_make_us", "lean_make_us", "sdk_encode_us", "lean_encode_us"}
     assert all(v > 0 for v in result.values())
+
+
+def test_cpu_ab_benchmark_swaps_modes_in_the_same_processes(monkeypatch, tmp_path):
+    from benchmarks import cpu_ab
+
+    monkeypatch.setenv("HARNESS_LOG_DIR", str(tmp_path / "logs"))
+    result = cpu_ab.cpu_ab_bench(sessions=1, rounds=1, batches=1, batch=4, names=["off"], bulk=True)
+    assert result["stock_us"]["off"] > 0 and result["fork_us"]["off"] > 0
+    assert result["ratio"]["off"] > 0 and result["wall_ratio"]["off"] > 0

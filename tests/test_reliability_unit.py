@@ -113,6 +113,14 @@ def test_receive_clock_expires_each_receive_exactly_at_its_timeout():
     assert clock.pop_expired(now=109.0) == [] and clock.pop_expired(now=110.5) == [("d", 10.5)]
 
 
+def test_receive_clock_starts_a_steps_receives_at_one_time():
+    clock = ReceiveClock(timeout_s=10.0)
+    clock.start_all(["a", "b"], now=1.0)
+    clock.start_all(["b", "c"], now=2.0)  # b re-sent: keeps its first start
+    assert clock.stop("b", now=4.0) == 3.0 and clock.stop("c", now=4.0) == 2.0
+    assert clock.pop_expired(now=11.0) == [("a", 10.0)] and len(clock) == 0
+
+
 def test_registering_again_ends_the_span_it_replaces():
     table = SpanTable()
     first, second = FakeSpan(), FakeSpan()
