@@ -128,7 +128,7 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                         kw["tracing"] = {"endpoint": rx.endpoint, "protocol": "grpc", **kw["tracing"]}
                     pairs[name] = h = PushHarness.pd(
                         workdir=tempfile.mkdtemp(prefix=f"bench-ab-{name}-"), connector=FORK,
-                        num_blocks=2 * batch + 8, **kw).start()
+                        num_blocks=2 * max(batch, 20) + 8, **kw).start()
                     assert h.push(20).ok  # warm-up: handshakes, first connections
                     for stock in (True, False):  # unmeasured batches of each mode
                         _set_mode(h, stock)

@@ -43,6 +43,7 @@ def test_span_cost_benchmark_runs_both_tracers_through_the_batch_processor():
 def test_cpu_ab_benchmark_swaps_modes_in_the_same_processes(monkeypatch, tmp_path):
     from benchmarks import cpu_ab
 
+    (tmp_path / "logs").mkdir()
     monkeypatch.setenv("HARNESS_LOG_DIR", str(tmp_path / "logs"))
     result = cpu_ab.cpu_ab_bench(sessions=1, rounds=1, batches=1, batch=4, names=["off"], bulk=True)
     assert result["stock_us"]["off"] > 0 and result["fork_us"]["off"] > 0
