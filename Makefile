@@ -113,6 +113,8 @@ bench: setup
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.run
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.first_request
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.cpu_cost
+	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.cpu_ab
+	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.cpu_ab --bulk
 	$(PY) -m benchmarks.otlp_encode
 	$(PY) -m benchmarks.span_cost
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.scale --out .cache/bench

@@ -8,10 +8,13 @@ each batch its engines swap the fork's classes and wrappers for vLLM's own, or b
 threads and memory, with no pair offset between them.
 
 Pairs: the fork with tracing off, and with tracing on (always-on sampler, batch export
-over OTLP/gRPC to a local receiver, flushed at the end of every batch, stock batches
-included). Each session starts the pairs afresh; each round then pushes `--batches`
-batches per mode through one pair, the mode alternating batch by batch (ABBA), while
-the other pairs are frozen (SIGSTOP). CPU is read from outside the engines
+over OTLP/gRPC to a local receiver with the SDK's default schedule). Each session starts
+the pairs afresh; each round then pushes `--batches` batches per mode through one pair
+while the other pairs are frozen (SIGSTOP). Without tracing the mode alternates batch by
+batch (ABBA). With tracing each mode runs its batches in one block, the fork's block
+ending with a flush that it is measured with (its spans leave within it, in batches as
+the SDK's processor makes them, rather than a flush per 50 requests), and the blocks'
+order alternates from round to round. CPU is read from outside the engines
 (`/proc/<pid>/task/*/schedstat`), so measuring costs them nothing. `--bulk` hands each
 batch to each engine in one command (one D step registers all of it, one P step
 finishes all of it), as under load, instead of one round trip per request.
@@ -89,16 +92,16 @@ class ProcessClock:
         return out
 
 
-def _batch(h: PushHarness, clock: ProcessClock, traced: bool, batch: int,
+def _batch(h: PushHarness, clock: ProcessClock, flush: bool, batch: int,
            bulk: bool = False) -> tuple[float, dict]:
     """One measured batch: wall seconds, CPU seconds by thread."""
     h.reuse_blocks("P", "D")
     before = clock.read()
     t0 = time.perf_counter()
     report = h.push(batch, verify=False, bulk=bulk)
-    if traced:
+    if flush:
         for e in ("P", "D"):
-            h[e].call("spans")  # force_flush: the batch's spans leave within it
+            h[e].call("spans")  # force_flush: the block's spans leave within it
     wall = time.perf_counter() - t0
     after = clock.read()
     assert not report.failed, report
@@ -144,9 +147,13 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                         spent = {True: defaultdict(float), False: defaultdict(float)}
                         wall = {True: 0.0, False: 0.0}
                         for i in range(2 * batches):
-                            stock = (i % 4) in (0, 3)  # ABBA: S F F S S F F S ...
+                            if traced:  # blocks of one mode, ABBA over rounds (see docstring)
+                                stock = (i < batches) == (r % 2 == 0)
+                                flush = i % batches == batches - 1
+                            else:  # ABBA batch by batch: S F F S S F F S ...
+                                stock, flush = (i % 4) in (0, 3), False
                             _set_mode(h, stock)
-                            w, by_thread = _batch(h, clocks[name], traced, batch, bulk)
+                            w, by_thread = _batch(h, clocks[name], flush, batch, bulk)
                             wall[stock] += w
                             for k, v in by_thread.items():
                                 spent[stock][k] += v
