@@ -177,8 +177,8 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
         rx.close()
     per_round = batches * batch
     print(f"\n== CPU per pushed request, fork / stock in the same processes (P+D, all threads), "
-          f"{sessions} sessions x {rounds} rounds x {per_round} requests per mode, the mode "
-          f"alternating every {batch}" + (", bulk" if bulk else ""))
+          f"{sessions} sessions x {rounds} rounds x {per_round} requests per mode (untraced: the "
+          f"mode alternating every {batch}; traced: a block per mode)" + (", bulk" if bulk else ""))
     print(f"{'pair':>7}  {'stock us':>9}  {'fork us':>9}  {'fork/stock: median [min-max]':>30}  "
           f"{'wall fork/stock':>22}  per session")
     for name in names:
