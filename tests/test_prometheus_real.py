@@ -110,7 +110,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                 for name, fe in fronts.items():
                     fe.observe(stats[name])
 
-                saved = sum(hs["saved_descriptors"] for d in stats["D"] for hs in d["handshakes"])
+                saved = sum(hs["saved_descriptors"] for d in stats["D"] for hs in d.get("handshakes", ()))
                 d_saved = f'sum({V.DESCRIPTORS_SAVED.series_names[0]}{{instance="{instances["D"]}"}})'
                 prom.wait_for(d_saved, lambda v: v == saved, what="D's saved descriptors scraped")
                 prom.wait_for(f'sum({V.PUSHES.series_names[0]}{{outcome="completed"}})',
