@@ -7,10 +7,10 @@ paths for a while: every object the fork replaced or wrapped is given back its
 stock class or its unwrapped value, and vLLM's methods, looked up on the object
 at every call, then run exactly as they do in a stock engine (the writer thread
 included, which calls through `self`). Swapped back, the fork's overrides run
-again. Rounds of both, alternated in the same processes, pair up exactly.
+again. Batches of both, alternated in the same processes, pair up exactly.
 
-Only between rounds: nothing may be in flight (no pending push, receive or
-handshake), which the benchmark's rounds guarantee by waiting for every request.
+Only between batches: nothing may be in flight (no pending push, receive or
+handshake), which the benchmarks guarantee by waiting for every request of a batch.
 What stays of the fork in stock mode is process state, not per-request work: its
 side-channel listener thread (busy only during handshakes) and, when tracing is
 configured, an idle span exporter thread.

@@ -7,9 +7,11 @@ API server with `build_kv_connector_stats`), so every field stays msgpack-friend
 Thread safety: the writer and handshake threads record while the engine's main
 thread takes the interval's stats with `clone_and_reset()`. The interval's dict is
 swapped for a complete new one under a process-wide lock, never emptied in place,
-and our `record_*` methods append under the same lock, so a record lands in exactly
-one interval and can never hit a half-built dict. (The lock is module-level, not an
-attribute: the stats object is pickled between processes.)
+and the `record_*` methods of other threads append under the same lock, so a record
+lands in exactly one interval and can never hit a half-built dict. Records made on the
+main thread itself (receives, completed pushes) need no lock: they cannot overlap the
+swap. (The lock is module-level, not an attribute: the stats object is pickled between
+processes.)
 """
 
 from __future__ import annotations
