@@ -40,26 +40,18 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cpu_cost import _diff, _spread, push_batches
+from benchmarks.cpu_cost import _SDK_DEFAULT_DELAY, _diff, _spread, push_batches
 from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
 from harness.config import FORK
 from harness.runner import LOG_DIR_ENV
 
-_SDK_DEFAULT_DELAY = {"schedule_delay_ms": 5000}
 PAIRS: dict[str, dict[str, Any]] = {
     "off": {},
     "on": {"tracing": {**_SDK_DEFAULT_DELAY}},  # always-on sampler (the SDK's default)
     "on-10%": {"tracing": {**_SDK_DEFAULT_DELAY, "sampler": "parentbased_traceidratio",
                            "sampler_arg": "0.1"}},
 }
-
-
-def _set_mode(h: PushHarness, stock: bool) -> None:
-    for e in ("P", "D"):
-        name = h[e].call("stock_mode", stock)
-        expected = "NixlPushConnectorWorker" if stock else "ObservedPushWorker"
-        assert name == expected, f"{e} runs {name}, not {expected}"
 
 
 class ProcessClock:
@@ -134,7 +126,7 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                         num_blocks=2 * max(batch, 20) + 8, **kw).start()
                     assert h.push(20).ok  # warm-up: handshakes, first connections
                     for stock in (True, False):  # unmeasured batches of each mode
-                        _set_mode(h, stock)
+                        h.stock_mode(stock)
                         push_batches(h, 4 * batch, batch)
                     clocks[name] = ProcessClock(h)  # (every thread has started by now)
                     h.pause()
@@ -152,7 +144,7 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                                 flush = i % batches == batches - 1
                             else:  # ABBA batch by batch: S F F S S F F S ...
                                 stock, flush = (i % 4) in (0, 3), False
-                            _set_mode(h, stock)
+                            h.stock_mode(stock)
                             w, by_thread = _batch(h, clocks[name], flush, batch, bulk)
                             wall[stock] += w
                             for k, v in by_thread.items():

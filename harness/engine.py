@@ -482,7 +482,7 @@ class Engine:
         user+system ticks of `stat` (10 ms) are the fallback. At 10 ms a 400-request
         round resolved 25 us per request, the size of the differences measured.
         """
-        names = {t.native_id: re.sub(r"[_-]\d+$", "", t.name) for t in threading.enumerate()}
+        names = self.cmd_thread_names()
         tick = os.sysconf("SC_CLK_TCK")
         out: dict[str, float] = {}
         for task in Path("/proc/self/task").iterdir():

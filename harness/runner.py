@@ -66,6 +66,12 @@ class EngineHandle:
         self._conn.send((name, args))
         return self._receive(timeout)
 
+    def call_all(self, calls: list[tuple[str, tuple[Any, ...]]], bulk: bool = False) -> list[Any]:
+        """`calls` ((command, args) each) one round trip each, or all in one (`bulk`)."""
+        if bulk:
+            return self.call("many", calls)
+        return [self.call(name, *args) for name, args in calls]
+
     @property
     def address(self) -> dict[str, Any]:
         return {"engine_id": self.info["engine_id"], "host": self.info["host"],
@@ -227,6 +233,14 @@ class PushHarness:
     def resume(self) -> None:
         self._signal(signal.SIGCONT)
 
+    def stock_mode(self, stock: bool) -> None:
+        """Fork engines: run vLLM's stock code paths (or the fork's again) in the same
+        processes (harness.stock_swap); checks that every engine did."""
+        want = "NixlPushConnectorWorker" if stock else "ObservedPushWorker"
+        for name, handle in self.engines.items():
+            got = handle.call("stock_mode", stock)
+            assert got == want, f"{name} runs {got}, not {want}"
+
     def _signal(self, sig: int) -> None:
         for handle in self.engines.values():
             if handle.process.pid is not None and handle.process.is_alive():
@@ -271,26 +285,22 @@ class PushHarness:
             self._seed += 1
             fills.append(("fill", (p_blocks, self._seed)))
             pairs.append((p_id, d_id, p_blocks, d_blocks))
-        if bulk:
-            p.call("many", fills)
-        else:
-            for name, args in fills:
-                p.call(name, *args)
+        p.call_all(fills, bulk)
+        headers = trace_headers or [(None, None)] * n_requests
+        registers = [("register", (d_id, d_blocks, p.address, p_id, heartbeat, d_headers))
+                     for (p_id, d_id, _, d_blocks), (d_headers, _) in zip(pairs, headers)]
+        finishes = [("finish", (p_id, p_blocks, lease_s, p_headers))
+                    for (p_id, _, p_blocks, _), (_, p_headers) in zip(pairs, headers)]
         started: dict[str, float] = {}
-        registers, finishes = [], []
-        for i, (p_id, d_id, p_blocks, d_blocks) in enumerate(pairs):
-            d_headers, p_headers = trace_headers[i] if trace_headers else (None, None)
-            registers.append(("register", (d_id, d_blocks, p.address, p_id, heartbeat, d_headers)))
-            finishes.append(("finish", (p_id, p_blocks, lease_s, p_headers)))
-            if not bulk:
-                started[d_id] = d.call("now")
-                d.call("register", *registers[-1][1])
-                p.call("finish", *finishes[-1][1])
         if bulk:  # all registrations in one D step, all finished prefills in one P step
-            now = d.call("now")
-            started = {pair[1]: now for pair in pairs}
-            d.call("many", registers)
-            p.call("many", finishes)
+            started = dict.fromkeys((pair[1] for pair in pairs), d.call("now"))
+            d.call_all(registers, bulk)
+            p.call_all(finishes, bulk)
+        else:  # request by request, D's registration and P's finished blocks in turn
+            for (_, d_id, _, _), (register, d_args), (finish, p_args) in zip(pairs, registers, finishes):
+                started[d_id] = d.call("now")
+                d.call(register, *d_args)
+                p.call(finish, *p_args)
         d_ids = {pair[1] for pair in pairs}
         results = d.call("await_results", sorted(d_ids), timeout_s, timeout=timeout_s + 30)
         finished = results.get("finished_recving", {})

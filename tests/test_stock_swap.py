@@ -19,26 +19,20 @@ def _count(stats: list[dict[str, Any]], key: str) -> int:
     return sum(len(s.get(key) or []) for s in stats)
 
 
-def _set_mode(h: PushHarness, stock: bool) -> None:
-    for e in ("P", "D"):
-        assert h[e].call("stock_mode", stock) == ("NixlPushConnectorWorker" if stock
-                                                   else "ObservedPushWorker")
-
-
 def test_a_fork_engine_swapped_to_stock_runs_vllms_code_and_back(tmp_path):
     with PushHarness.pd(connector=FORK, workdir=str(tmp_path), num_blocks=64) as h:
         assert h.push(4).ok  # the fork connects (handshakes) first
         h.stats("P"), h.stats("D")
 
-        _set_mode(h, stock=True)
-        _set_mode(h, stock=True)  # (idempotent)
+        h.stock_mode(stock=True)
+        h.stock_mode(stock=True)  # (idempotent)
         assert h.push(3).ok and h.push(5, bulk=True).ok  # bytes verified
         p_stats, d_stats = h.stats("P"), h.stats("D")
         assert _count(p_stats, StatKey.PUSHES_STARTED) == 0  # none of the fork's records ...
         assert _count(d_stats, StatKey.RECEIVES) == _count(d_stats, StatKey.PUSH_REG_SENT) == 0
         assert _count(p_stats, "transfer_duration") >= 8  # ... and vLLM's own transfer stats
 
-        _set_mode(h, stock=False)
+        h.stock_mode(stock=False)
         assert h.push(3).ok and h.push(5, bulk=True).ok
         p_stats, d_stats = h.stats("P"), h.stats("D")
         assert _count(p_stats, StatKey.PUSHES_STARTED) == _count(p_stats, StatKey.PUSHES_COMPLETED) == 8

@@ -78,12 +78,9 @@ class ObservedNixlStats(NixlKVConnectorStats):
 
     def record_push_reg_notif(self, sent: bool, count: int = 1) -> None:
         """`count` PUSH_REG notifications sent (one per P agent reached) or not."""
-        key = StatKey.PUSH_REG_SENT if sent else StatKey.PUSH_REG_FAILED
-        if count == 1:
-            self._append(key, 1)
-            return
         with _LOCK:
-            self.data.setdefault(key, []).extend([1] * count)
+            self.data.setdefault(StatKey.PUSH_REG_SENT if sent else StatKey.PUSH_REG_FAILED,
+                                 []).extend([1] * count)
             self._has_ours = True
 
     def record_push(self, key: str) -> None:
@@ -124,12 +121,15 @@ class ObservedNixlStats(NixlKVConnectorStats):
         rec: dict[str, Any] = {"outcome": outcome, "duration": seconds}
         if ids is not None:
             rec["trace_id"], rec["span_id"] = ids
-        self.data.setdefault(StatKey.RECEIVES, []).append(rec)
-        self._has_ours = True
+        self._append_on_main_thread(StatKey.RECEIVES, rec)
 
     def record_push_completed(self) -> None:
         """One push completed (engine main thread only; see `record_receive`)."""
-        self.data.setdefault(StatKey.PUSHES_COMPLETED, []).append(1)
+        self._append_on_main_thread(StatKey.PUSHES_COMPLETED, 1)
+
+    def _append_on_main_thread(self, key: str, value: Any) -> None:
+        """`_append` without the lock, for the thread that takes the intervals."""
+        self.data.setdefault(key, []).append(value)
         self._has_ours = True
 
     # -- vLLM's contract ---------------------------------------------------------
