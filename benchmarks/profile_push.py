@@ -10,12 +10,15 @@ collapsed stacks (flame-graph input) next to the engine logs.
 It also prices the fork's own work per request. Each sample is attributed to whoever
 runs at its deepest frame of this project, of vLLM or of the harness: a sample in our
 code, or in the standard library or OpenTelemetry called from it, is ours; one in vLLM's
-code (NIXL calls included) is vLLM's, even below one of our wrappers. Each Python
-thread's share of ours times that thread's CPU per request (read from
-`/proc/<pid>/task/*/schedstat` over the sampling window) is the fork's own CPU per
-request on that thread. It leaves out what the fork costs indirectly: in this harness
-every thread's CPU grows with wall time (loops stepping and polling at 1-10 kHz), so a
-longer push costs CPU wherever it waits; `cpu_ab` measures the whole.
+code (NIXL calls included) is vLLM's, even below one of our wrappers. Samples of a
+thread waiting (its innermost line a blocking call: a lock, poll, sleep or queue get)
+are left out, as the CPU counters leave out that time. Each Python thread's share of
+ours among its running samples times that thread's CPU per request (read from
+`/proc/<pid>/task/*/schedstat` over a window of the same load just before sampling,
+without py-spy's pauses) is the fork's own CPU per request on that thread. It leaves
+out what the fork costs indirectly: in this harness every thread's CPU grows with wall
+time (loops stepping and polling at 1-10 kHz), so a longer push costs CPU wherever it
+waits; `cpu_ab` measures the whole.
 
     pip install py-spy   # not a project dependency
     python -m benchmarks.profile_push [--seconds 20] [--batch 50] [--bulk] [--no-tracing]
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import linecache
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +46,13 @@ from harness.config import FORK, STOCK
 from harness.runner import LOG_DIR_ENV
 
 OURS = "connector/"
+# A sample whose innermost line is one of these calls is a thread waiting, off the CPU.
+# py-spy cannot tell (with --blocking it pauses every thread, so each looks active), and
+# the /proc CPU it is multiplied by counts only running time: counting waits in a
+# thread's samples would dilute every share of that thread.
+_WAITING = re.compile(r"\.acquire\((?!False)|\.poll\(|\.select\(|\.recv\(|\.get\(block=True|"
+                      r"sleep\(|\.wait\(|next_event\(")
+_ROOTS = [Path(__file__).resolve().parent.parent, *(Path(p) for p in sys.path if p)]
 
 
 def _our_file(frame: str) -> str | None:
@@ -48,6 +60,25 @@ def _our_file(frame: str) -> str | None:
     `kv_connector/` paths are not ours: py-spy prints our files relative, theirs under vllm/)."""
     path = frame.rpartition(" (")[2].split(":")[0]
     return path if path.startswith(OURS) else None
+
+
+def _source(frame: str) -> str:
+    """The source line a py-spy frame `func (path:line)` points at ('' when not found)."""
+    where, _, line = frame.rpartition(" (")[2].rstrip(")").rpartition(":")
+    if not line.isdigit():
+        return ""
+    for root in _ROOTS:
+        if (root / where).is_file():
+            return linecache.getline(str(root / where), int(line))
+    return ""
+
+
+def _waiting(frames: list[str], cache: dict[str, bool]) -> bool:
+    """Whether the sample's innermost line is a blocking call (see `_WAITING`)."""
+    leaf = frames[-1]
+    if leaf not in cache:
+        cache[leaf] = bool(_WAITING.search(_source(leaf)))
+    return cache[leaf]
 
 
 def _owner(frames: list[str]) -> str:
@@ -61,10 +92,14 @@ def _owner(frames: list[str]) -> str:
     return "theirs"
 
 
-def _own_cost(path: Path, cpu: dict[tuple[str, int], float], requests: int) -> dict[str, float]:
-    """Thread name -> the fork's own CPU per request (us) on it (see module docstring)."""
+def own_cost(path: Path, cpu: dict[tuple[str, int], float],
+              requests: int) -> dict[str, tuple[float, float, int, int]]:
+    """Thread name -> (the fork's own CPU per request on it, the thread's CPU per request,
+    both in us; samples of ours, running samples) (see module docstring): the share of
+    ours among the thread's running samples (waits left out) times its CPU."""
     ours: collections.Counter[int] = collections.Counter()
     total: collections.Counter[int] = collections.Counter()
+    cache: dict[str, bool] = {}
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
@@ -73,32 +108,52 @@ def _own_cost(path: Path, cpu: dict[tuple[str, int], float], requests: int) -> d
             tid = int(head.split("(", 1)[1].split(")", 1)[0], 0)
         except (IndexError, ValueError):
             continue
+        if _waiting(frames, cache):
+            continue
         total[tid] += int(count)
         if _owner(frames) == "ours":
             ours[tid] += int(count)
-    out: dict[str, float] = collections.defaultdict(float)
+    out: dict[str, tuple[float, float, int, int]] = {}
     for (name, tid), seconds in cpu.items():
         if total[tid]:
-            out[name] += ours[tid] / total[tid] * seconds / max(requests, 1) * 1e6
+            per_request = seconds / max(requests, 1) * 1e6
+            own, thread, n_ours, n_total = out.get(name, (0.0, 0.0, 0, 0))
+            out[name] = (own + ours[tid] / total[tid] * per_request, thread + per_request,
+                         n_ours + ours[tid], n_total + total[tid])
     return out
 
 
-def _summary(path: Path, name: str, top: int) -> None:
-    total = ours = 0
+def summary(path: Path, name: str, top: int) -> None:
+    total = ours = waiting = 0
     by_func: collections.Counter[str] = collections.Counter()
+    cache: dict[str, bool] = {}
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         n = int(count)
-        total += n
         frames = stack.split(";")
+        if _waiting(frames, cache):
+            waiting += n
+            continue
+        total += n
         mine = {f"{f.rpartition(' (')[0]} ({path})" for f in frames if (path := _our_file(f))}
         if mine:
             ours += n
         for func in mine:
             by_func[func] += n
-    print(f"\n{name}: {total} samples, {100 * ours / max(total, 1):.1f}% with connector/ code on the stack")
+    print(f"\n{name}: {total} running samples ({waiting} waiting left out), "
+          f"{100 * ours / max(total, 1):.1f}% with connector/ code on the stack")
     for func, n in by_func.most_common(top):
         print(f"  {100 * n / max(total, 1):5.1f}%  {func}")
+
+
+def py_spy() -> str:
+    """The py-spy executable (the venv's own script directory first: a benchmark may
+    run without the venv on PATH)."""
+    search = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    spy = shutil.which("py-spy", path=search)
+    if spy is None:
+        raise SystemExit("py-spy is not installed: pip install py-spy")
+    return spy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,11 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connector", choices=(FORK, STOCK), default=FORK,
                     help="profile the stock connector instead (a baseline for the same stacks)")
     args = ap.parse_args(argv)
-    # The venv's own script directory first: the benchmark may run without the venv on PATH.
-    search = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    spy = shutil.which("py-spy", path=search)
-    if spy is None:
-        raise SystemExit("py-spy is not installed: pip install py-spy")
+    spy = py_spy()
     out = Path(tempfile.mkdtemp(prefix="profile-push-"))
     os.environ.setdefault(LOG_DIR_ENV, str(out))
     print(f"engine logs and profiles: {out}", flush=True)
@@ -147,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
             driver = threading.Thread(target=drive, daemon=True)
             driver.start()
             time.sleep(2)  # a benchmark's ramp-up, not a synchronisation
+            # Each thread's CPU per request is read over a window without py-spy: its
+            # pauses cost the engines' threads CPU of their own (a mostly idle thread
+            # woken 200 times a second), which would be priced as the fork's.
             before, pushed_before = clock.read_threads(), pushed[0]
+            time.sleep(args.seconds)
+            after, pushed_after = clock.read_threads(), pushed[0]
+            paused_before, paused_pushed_before = after, pushed_after
             profiles = {n: out / f"{n}.collapsed.txt" for n in ("P", "D")}
             flags = ([] if args.blocking else ["--nonblocking"]) + (["--gil"] if args.gil else [])
             procs = [subprocess.Popen([spy, "record", "-p", str(h[n].info["pid"]), "-d", str(args.seconds),
@@ -156,29 +213,36 @@ def main(argv: list[str] | None = None) -> int:
                      for n, p in profiles.items()]
             for proc in procs:
                 proc.wait()
-            after, pushed_after = clock.read_threads(), pushed[0]
+            paused_after, paused_pushed_after = clock.read_threads(), pushed[0]
             stop.set()
             driver.join(120)
     finally:
         if rx is not None:
             rx.close()
-    print(f"pushed {pushed[0]} requests while sampling ({'tracing on' if tracing else 'tracing off'})")
+    print(f"pushed {pushed[0]} requests in all ({'tracing on' if tracing else 'tracing off'})")
     for name, path in profiles.items():
-        _summary(path, f"{name} engine", args.top)
+        summary(path, f"{name} engine", args.top)
     requests = pushed_after - pushed_before
     cpu = {k: after[k] - before.get(k, 0.0) for k in after}
-    own = collections.Counter()
+    paused_requests = paused_pushed_after - paused_pushed_before
+    paused_cpu = sum(paused_after[k] - paused_before.get(k, 0.0) for k in paused_after)
+    print(f"CPU per request: {sum(cpu.values()) / max(requests, 1) * 1e6:.0f} us without py-spy "
+          f"({requests} requests), {paused_cpu / max(paused_requests, 1) * 1e6:.0f} us while it "
+          f"sampled ({paused_requests} requests); the first prices the shares")
+    own: dict[str, tuple[float, float, int, int]] = {}
     for path in profiles.values():
-        own.update(_own_cost(path, cpu, requests))
+        own.update(own_cost(path, cpu, requests))
     python_cpu = sum(v for (name, _), v in cpu.items() if not name.endswith(":native")) / max(requests, 1)
     all_cpu = sum(cpu.values()) / max(requests, 1)
     print(f"\nthe {args.connector} connector's own CPU per request (its code and what it calls, "
           f"from sample shares x thread CPU; {requests} requests in the window):")
-    for name, us in sorted(own.items()):
-        if us >= 0.05:
-            print(f"  {name:<28} {us:6.1f} us")
-    print(f"  {'all threads':<28} {sum(own.values()):6.1f} us of {all_cpu * 1e6:.0f} us per request "
-          f"({python_cpu * 1e6:.0f} us in Python threads): {100 * sum(own.values()) / (all_cpu * 1e6):.1f}%")
+    for name, (us, thread, n_ours, n_total) in sorted(own.items()):
+        if us >= 0.05:  # (few samples of ours: a rough figure; the sample counts say how rough)
+            print(f"  {name:<32} {us:6.1f} us   ({n_ours} of {n_total} running samples ours, "
+                  f"thread {thread:.0f} us per request)")
+    total = sum(v[0] for v in own.values())
+    print(f"  {'all threads':<32} {total:6.1f} us of {all_cpu * 1e6:.0f} us per request "
+          f"({python_cpu * 1e6:.0f} us in Python threads): {100 * total / (all_cpu * 1e6):.1f}%")
     print(f"\ncollapsed stacks: {', '.join(str(p) for p in profiles.values())}")
     return 0
 
