@@ -104,7 +104,7 @@ demo: setup
 demo-harness: setup
 	$(PY) -m harness.demo
 
-# Every benchmark, one after the other (about 60 min here; the two real `vllm serve` ones about 25 of them);
+# Every benchmark, one after the other (about 70 min here; the three real `vllm serve` ones about 30 of them);
 # engine logs go to .cache/bench/engine-logs and .cache/bench/serve-*.
 # benchmarks.scale also writes .cache/bench/scale.json and scale.png.
 BENCH_LOGS := $(CURDIR)/.cache/bench/engine-logs
@@ -120,6 +120,12 @@ bench: setup
 	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.scale --out .cache/bench
 	$(PY) -m benchmarks.serve_sharing --workdir .cache/bench/serve-sharing
 	$(PY) -m benchmarks.serve_cpu --workdir .cache/bench/serve-cpu
+	@# The two profiles need py-spy (pip install py-spy), which is not a project dependency.
+	@if [ -x $(VENV)/bin/py-spy ]; then \
+	  HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.profile_push --blocking --seconds 30 --no-tracing && \
+	  HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.profile_push --blocking --seconds 30 && \
+	  $(PY) -m benchmarks.profile_serve --workdir .cache/bench/profile-serve; \
+	else echo "py-spy is not installed: skipping benchmarks.profile_push and benchmarks.profile_serve"; fi
 
 clean:
 	rm -rf $(VENV) $(VENV033) .cache
