@@ -98,6 +98,20 @@ def test_reused_encodings_stay_bounded():
     assert _decoded(spans) == encode_spans(spans)
     assert len(otlp_wire._kv_cache) <= otlp_wire._CACHE_MAX
     assert len(otlp_wire._text_cache) <= otlp_wire._CACHE_MAX
+    assert len(otlp_wire._field_cache) <= otlp_wire._CACHE_MAX
+
+
+def test_reused_encodings_keep_values_that_compare_equal_apart():
+    # 0.0 == -0.0 and True == 1 == 1.0, but each encodes differently: a reused encoding
+    # of one must never stand in for another under the same key.
+    exporter = InMemorySpanExporter()
+    tracer = _provider(exporter, Resource.create({})).get_tracer("x")
+    for value in (0.0, -0.0, 1, True, 1.0, 0, False, -0.0, 0.0):
+        tracer.start_span("s", attributes={"v": value}, links=[Link(
+            SpanContext(1, 2, is_remote=True), {"v": value})]).end()
+    spans = exporter.get_finished_spans()
+    for _ in range(2):  # the second pass reads every encoding back from the caches
+        assert _decoded(spans) == encode_spans(spans)
 
 
 @pytest.mark.parametrize("value", [0, 1, 127, 128, 300, 2**35, 2**63 - 1, -1, -(2**63)])

@@ -38,6 +38,7 @@ _IS_REMOTE = 0x200
 _CACHE_MAX = 4096
 _kv_cache: dict[tuple[str, type, Any], bytes] = {}
 _text_cache: dict[tuple[bytes, str], bytes] = {}
+_field_cache: dict[tuple[Any, ...], bytes] = {}  # (tag, key, [type,] value) -> whole field
 
 
 def _varint(n: int) -> bytes:
@@ -99,7 +100,8 @@ def _key_value(key: str, value: Any) -> bytes:
     cacheable = isinstance(value, str | bool | int | float) and (
         not isinstance(value, str) or len(value) <= 64)
     if cacheable:
-        ck = (key, type(value), value)
+        # (A float by its bytes: -0.0 == 0.0 but encodes differently.)
+        ck = (key, type(value), _D(value) if type(value) is float else value)
         hit = _kv_cache.get(ck)
         if hit is not None:
             return hit
@@ -114,11 +116,47 @@ def _key_value(key: str, value: Any) -> bytes:
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None,
                 skipped: list[str]) -> bytes:
     """Repeated KeyValue field; a value that cannot be encoded is left out (the SDK
-    does the same) and its key reported in `skipped`."""
+    does the same) and its key reported in `skipped`.
+
+    A scalar attribute seen before (engine ids, block counts, flags) is one dict
+    lookup for its whole field; a new string (a request id) is written inline, three
+    concatenations instead of a call per layer of the message.
+    """
     if not attributes:
         return b""
     parts = []
+    cache = _field_cache
     for key, value in attributes.items():
+        kind = type(value)
+        if kind is str:
+            ck = (tag, key, value) if len(value) <= 64 else None
+            out = cache.get(ck) if ck is not None else None
+            if out is None:
+                raw = value.encode("utf-8")
+                any_value = b"\x0a" + _varint(len(raw)) + raw
+                kv = _text(b"\x0a", key) + b"\x12" + _varint(len(any_value)) + any_value
+                out = tag + _varint(len(kv)) + kv
+                if ck is not None:
+                    if len(cache) >= _CACHE_MAX:
+                        cache.clear()
+                    cache[ck] = out
+            parts.append(out)
+            continue
+        if kind is int or kind is bool or kind is float:
+            # (A float by its bytes: -0.0 == 0.0 but encodes differently.)
+            ck = (tag, key, kind, _D(value) if kind is float else value)
+            out = cache.get(ck)
+            if out is None:
+                try:
+                    out = _field(tag, _key_value(key, value))
+                except (TypeError, ValueError):
+                    skipped.append(key)
+                    continue
+                if len(cache) >= _CACHE_MAX:
+                    cache.clear()
+                cache[ck] = out
+            parts.append(out)
+            continue
         try:
             parts.append(_field(tag, _key_value(key, value)))
         except (TypeError, ValueError):
