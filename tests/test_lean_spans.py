@@ -262,3 +262,18 @@ def test_lean_spans_reach_the_batch_exporter_and_its_ledger():
         assert all(s.attributes == {"k": 1} and s.end_time >= s.start_time for s in exporter.spans)
     finally:
         provider.shutdown()
+
+
+def test_the_count_limit_applies_without_a_length_limit(monkeypatch):
+    # (Under the count limit a lean span takes its attributes in one update; at it,
+    # one by one, the oldest dropped as the SDK does.)
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "2")
+    provider, processor, exporter = _pair()
+    for tracer in (provider.get_tracer(TRACER_NAME), LeanTracer(provider, processor, TRACER_NAME)):
+        span = tracer.start_span("s", attributes={"a": "a long value, not cut", "b": 1}, start_time=1)
+        span.set_attribute("b", 2)  # an existing key: nothing dropped
+        span.set_attributes({"c": 3})
+        span.end(end_time=2)
+    sdk, lean = exporter.get_finished_spans()
+    assert dict(lean.attributes) == dict(sdk.attributes) == {"b": 2, "c": 3}
+    assert lean.dropped_attributes == sdk.dropped_attributes == 1

@@ -228,6 +228,9 @@ class LeanSpan(trace.Span):
         """Store attributes under the SDK's limits (count: the oldest is dropped; string length)."""
         limit, length = self._tracer.max_attributes, self._tracer.max_value_length
         attrs = self._attributes
+        if length is None and (limit is None or len(attrs) + len(attributes) <= limit):
+            attrs.update(attributes)  # (the usual case: under the count limit, no length limit)
+            return
         for key, value in attributes.items():
             if length is not None and isinstance(value, str) and len(value) > length:
                 value = value[:length]
