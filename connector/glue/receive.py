@@ -137,5 +137,5 @@ def count_blocks(block_ids: Any) -> int:
         return 0
     first = block_ids[0]
     if isinstance(first, list | tuple):
-        return sum(len(group) for group in block_ids)
+        return sum(map(len, block_ids))
     return len(block_ids)
