@@ -11,7 +11,7 @@ noise floor. Printed as ratios of median push latency, with the A/A spread.
 
 from __future__ import annotations
 
-import statistics
+from typing import Any
 
 from connector.testing.otlp import OtlpHttpReceiver
 from harness import PushHarness
@@ -21,14 +21,14 @@ from harness.runner import free_port
 
 def _pair(a: tuple[str, dict], b: tuple[str, dict], requests: int, batches: int,
           blocks: int) -> dict[str, float]:
-    from benchmarks.run import _interleaved
+    from benchmarks.run import _interleaved, latency_summary
 
     (name_a, kw_a), (name_b, kw_b) = a, b
     with PushHarness.pd(num_blocks=blocks, **kw_a) as ha, PushHarness.pd(num_blocks=blocks, **kw_b) as hb:
         lat = _interleaved({name_a: ha, name_b: hb}, requests, batches)
         spans = {name: h["D"].call("span_ledger") for name, h in ((name_a, ha), (name_b, hb))}
-    out = {name: statistics.median(v) * 1e3 for name, v in lat.items()}
-    out.update({f"{name}_ledger": led for name, led in spans.items()})  # type: ignore[misc]
+    out: dict[str, Any] = dict(latency_summary(lat, name_a, name_b))
+    out.update({f"{name}_ledger": led for name, led in spans.items()})
     return out
 
 
@@ -45,16 +45,18 @@ def backends_bench(requests: int, batches: int, slow_s: float = 2.0) -> dict[str
     finally:
         slow.close()
     rows = [
-        ("OTLP endpoint down / tracing off", r_down["down"], r_down["off"]),
-        (f"OTLP receiver slow ({slow_s:.0f} s per export) / tracing off", r_slow["slow"], r_slow["off"]),
-        ("A/A control: tracing off / tracing off", r_aa["A"], r_aa["B"]),
+        ("OTLP endpoint down / tracing off", r_down["down"], r_down["off"], r_down),
+        (f"OTLP receiver slow ({slow_s:.0f} s per export) / tracing off", r_slow["slow"], r_slow["off"],
+         r_slow),
+        ("A/A control: tracing off / tracing off", r_aa["A"], r_aa["B"], r_aa),
     ]
     print(f"\n== push latency with a faulty trace back-end, medians over {requests} requests "
           f"per engine, {batches} interleaved batches, each pair alive at once")
-    for label, x, y in rows:
-        print(f"{label:52s}: {x:7.2f} ms vs {y:7.2f} ms  ratio {x / y:.3f}")
+    for label, x, y, r in rows:
+        print(f"{label:52s}: {x:7.2f} ms vs {y:7.2f} ms  ratio {x / y:.3f}; per batch "
+              f"{r['batch_ratio']:.3f} [{r['batch_min']:.3f}-{r['batch_max']:.3f}]")
     spread = abs(r_aa["A"] / r_aa["B"] - 1)
     print(f"A/A spread: {spread * 100:.1f}% (differences below it are noise)")
     for name, res in (("down", r_down), ("slow", r_slow)):
         print(f"D's spans with the {name} back-end: {res[f'{name}_ledger']}")
-    return {label: x / y for label, x, y in rows}
+    return {label: x / y for label, x, y, _ in rows}

@@ -66,10 +66,12 @@ def handshake_bench(layers: int, blocks: int, rounds: int) -> dict[str, float]:
             "fork_rss_mib": rss["F"] / 2**20, "stock_rss_mib": rss["S"] / 2**20}
 
 
-def _interleaved(harnesses: dict[str, PushHarness], requests: int, batches: int) -> dict[str, list[float]]:
-    """Push batches through each harness in alternating order; latencies per harness."""
+def _interleaved(harnesses: dict[str, PushHarness], requests: int,
+                 batches: int) -> dict[str, list[list[float]]]:
+    """Push batches through each harness in alternating order; latencies per harness,
+    batch by batch."""
     per_batch = max(1, requests // batches)
-    lat: dict[str, list[float]] = {name: [] for name in harnesses}
+    lat: dict[str, list[list[float]]] = {name: [] for name in harnesses}
     for h in harnesses.values():  # the first push pays the handshakes; not measured
         assert h.push(1).ok
     names = list(harnesses)
@@ -77,20 +79,29 @@ def _interleaved(harnesses: dict[str, PushHarness], requests: int, batches: int)
         for name in names if i % 2 == 0 else names[::-1]:
             report = harnesses[name].push(per_batch)
             assert report.ok, report
-            lat[name].extend(report.latencies_s.values())
+            lat[name].append(list(report.latencies_s.values()))
     return lat
+
+
+def latency_summary(lat: dict[str, list[list[float]]], a: str, b: str) -> dict[str, float]:
+    """Median latency (ms) of each over all its requests, and the spread of a/b over the
+    interleaved batches: the median, min and max of the per-batch median ratios."""
+    out = {name: statistics.median(x for batch in v for x in batch) * 1e3 for name, v in lat.items()}
+    ratios = [statistics.median(x) / statistics.median(y) for x, y in zip(lat[a], lat[b], strict=True)]
+    out.update(batch_ratio=statistics.median(ratios), batch_min=min(ratios), batch_max=max(ratios))
+    return out
 
 
 def _pair(a: tuple[str, dict], b: tuple[str, dict], requests: int, batches: int,
           blocks: int) -> dict[str, float]:
-    """Median latency (ms) of two harnesses alive at once, batches interleaved."""
+    """Latencies of two harnesses alive at once, batches interleaved (`latency_summary`)."""
     (name_a, kw_a), (name_b, kw_b) = a, b
     with PushHarness.pd(num_blocks=blocks, **kw_a) as ha, PushHarness.pd(num_blocks=blocks, **kw_b) as hb:
         lat = _interleaved({name_a: ha, name_b: hb}, requests, batches)
         for h in (ha, hb):
             for engine in ("P", "D"):
                 h[engine].call("spans")  # flush any batch span processor before stopping
-    return {name: statistics.median(v) * 1e3 for name, v in lat.items()}
+    return latency_summary(lat, name_a, name_b)
 
 
 def push_bench(requests: int, batches: int) -> dict[str, float]:
@@ -109,17 +120,19 @@ def push_bench(requests: int, batches: int) -> dict[str, float]:
     finally:
         receiver.close()
     rows = [
-        ("fork (tracing off) / stock", vs_stock["fork"], vs_stock["stock"]),
-        ("fork OTLP/gRPC traced / fork tracing off", traced["traced"], traced["off"]),
-        ("A/A control: fork / fork", control["A"], control["B"]),
+        ("fork (tracing off) / stock", vs_stock["fork"], vs_stock["stock"], vs_stock),
+        ("fork OTLP/gRPC traced / fork tracing off", traced["traced"], traced["off"], traced),
+        ("A/A control: fork / fork", control["A"], control["B"], control),
     ]
     print(f"\n== push flow latency (registration handed to D's worker -> D reports the KV landed), "
           f"medians over {requests} requests per engine pair, {batches} interleaved batches; "
-          "each pair runs with both harnesses alive")
-    for label, x, y in rows:
-        print(f"{label:42s}: {x:7.2f} ms vs {y:7.2f} ms  ratio {x / y:.3f}")
+          "each pair runs with both harnesses alive; per batch: the median [min-max] of the "
+          "batches' median ratios")
+    for label, x, y, r in rows:
+        print(f"{label:42s}: {x:7.2f} ms vs {y:7.2f} ms  ratio {x / y:.3f}; per batch "
+              f"{r['batch_ratio']:.3f} [{r['batch_min']:.3f}-{r['batch_max']:.3f}]")
     print(f"spans exported by the traced pair: {spans}")
-    return {label: x / y for label, x, y in rows}
+    return {label: x / y for label, x, y, _ in rows}
 
 
 def step_bench(rounds: int = 5, steps: int = 2000) -> dict[str, float]:
