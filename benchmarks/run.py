@@ -160,6 +160,30 @@ def step_bench(rounds: int = 5, steps: int = 2000) -> dict[str, float]:
     return med
 
 
+def step_ab_bench(rounds: int = 8, steps: int = 3000) -> dict[str, float]:
+    """The same idle step in one pair of fork engines, their classes swapped for vLLM's
+    stock ones between rounds (`harness/stock_swap.py`): no pair offset in the difference."""
+    samples: dict[bool, list[float]] = {True: [], False: []}
+    parts: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    with PushHarness.pd(connector=FORK) as h:
+        assert h.push(2).ok
+        for i in range(rounds):
+            for stock in (False, True) if i % 2 == 0 else (True, False):
+                h.stock_mode(stock)
+                samples[stock].extend(h[e].call("step_cost", steps) for e in ("P", "D"))
+                parts[stock].extend(h[e].call("step_parts", steps) for e in ("P", "D"))
+        h.stock_mode(False)
+    fork, stock = (statistics.median(samples[k]) * 1e6 for k in (False, True))
+    print(f"\n== the same idle step in one process, fork vs its stock swap, median of {rounds} "
+          f"alternating rounds x {steps} steps per engine")
+    print(f"fork {fork:.2f} us vs stock {stock:.2f} us  ratio {fork / stock:.2f} "
+          f"(+{fork - stock:.2f} us per step)")
+    for call in parts[False][0]:
+        f, s_ = (statistics.median(p[call] for p in parts[k]) * 1e6 for k in (False, True))
+        print(f"  {call:<24} fork {f:6.2f}  stock {s_:6.2f}  +{f - s_:5.2f}")
+    return {"fork_us": fork, "stock_us": stock}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_push:
         push_bench(args.requests, args.batches)
     step_bench()
+    step_ab_bench()
     return 0
 
 
