@@ -51,6 +51,7 @@ PAIRS: dict[str, dict[str, Any]] = {
     "on": {"tracing": {**_SDK_DEFAULT_DELAY}},  # always-on sampler (the SDK's default)
     "on-10%": {"tracing": {**_SDK_DEFAULT_DELAY, "sampler": "parentbased_traceidratio",
                            "sampler_arg": "0.1"}},
+    "on-none": {"tracing": {**_SDK_DEFAULT_DELAY, "sampler": "parentbased_always_off"}},  # nothing sampled
 }
 
 
