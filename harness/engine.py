@@ -447,7 +447,8 @@ class Engine:
         return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
     def cmd_batch(self, commands: list[tuple[str, tuple]]) -> list[Any]:
-        """Run several commands in one round trip (load tests drive thousands)."""
+        """Run several commands in one round trip, before the next step (what one vLLM
+        scheduler step hands its worker under load: many requests at once)."""
         return [getattr(self, f"cmd_{name}")(*args) for name, args in commands]
 
     def cmd_finished_among(self, req_ids: list[str]) -> dict[str, int]:
@@ -519,11 +520,6 @@ class Engine:
 
     def cmd_rss(self) -> int:
         return _rss_bytes()
-
-    def cmd_many(self, calls: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
-        """Several commands in one round trip, before the next step (what one vLLM
-        scheduler step hands its worker under load: many requests at once)."""
-        return [getattr(self, f"cmd_{name}")(*args) for name, args in calls]
 
     def cmd_now(self) -> float:
         return time.perf_counter()

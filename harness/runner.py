@@ -69,7 +69,7 @@ class EngineHandle:
     def call_all(self, calls: list[tuple[str, tuple[Any, ...]]], bulk: bool = False) -> list[Any]:
         """`calls` ((command, args) each) one round trip each, or all in one (`bulk`)."""
         if bulk:
-            return self.call("many", calls)
+            return self.call("batch", calls)
         return [self.call(name, *args) for name, args in calls]
 
     @property
