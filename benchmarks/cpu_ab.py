@@ -56,20 +56,35 @@ PAIRS: dict[str, dict[str, Any]] = {
 
 
 class ProcessClock:
-    """CPU seconds of both engines' threads, read from outside (`/proc/<pid>/task/*/
-    schedstat`, nanoseconds), so reading costs the engines nothing."""
+    """CPU seconds of processes' threads, read from outside (`/proc/<pid>/task/*/
+    schedstat`, nanoseconds), so reading costs the processes nothing. The threads are
+    those alive when the clock is made."""
 
-    def __init__(self, h: PushHarness):
+    def __init__(self, h: PushHarness | None = None):
+        """Both engines of a harness pair, threads named "engine:Python thread name"
+        (threads outside Python: "native")."""
         self._tasks: list[tuple[str, int, Path]] = []
-        for e in ("P", "D"):
-            pid = h[e].info["pid"]
-            names = h[e].call("thread_names")
+        if h is not None:
+            for e in ("P", "D"):
+                names = h[e].call("thread_names")
+                self._add(h[e].info["pid"], lambda tid, e=e, names=names: f"{e}:{names.get(tid, 'native')}")
+
+    @classmethod
+    def of_processes(cls, labels: dict[int, str]) -> ProcessClock:
+        """Processes outside the harness (pid -> label): each thread named by its process."""
+        clock = cls()
+        for pid, label in labels.items():
+            clock._add(pid, lambda tid, label=label: label)
+        return clock
+
+    def _add(self, pid: int, name_of: Any) -> None:
+        with contextlib.suppress(OSError):  # (a process that ended meanwhile is skipped)
             for task in Path(f"/proc/{pid}/task").iterdir():
                 tid = int(task.name)
-                self._tasks.append((f"{e}:{names.get(tid, 'native')}", tid, task / "schedstat"))
+                self._tasks.append((name_of(tid), tid, task / "schedstat"))
 
     def read(self) -> dict[str, float]:
-        """CPU seconds by "engine:thread name" (threads outside Python: "native")."""
+        """CPU seconds by thread name."""
         out: dict[str, float] = defaultdict(float)
         for (name, _), seconds in self.read_threads().items():
             out[name] += seconds

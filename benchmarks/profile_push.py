@@ -37,7 +37,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from benchmarks.cpu_ab import ProcessClock
 from connector.testing.otlp import OtlpGrpcReceiver
@@ -121,6 +123,28 @@ def own_cost(path: Path, cpu: dict[tuple[str, int], float],
             out[name] = (own + ours[tid] / total[tid] * per_request, thread + per_request,
                          n_ours + ours[tid], n_total + total[tid])
     return out
+
+
+def own_costs(paths: Iterable[Path], cpu: dict[tuple[str, int], float],
+              requests: int) -> dict[str, tuple[float, float, int, int]]:
+    """`own_cost` over several processes' profiles; rows of one name are summed."""
+    own: dict[str, tuple[float, float, int, int]] = {}
+    for path in paths:
+        for name, (us, thread, n_ours, n_total) in own_cost(path, cpu, requests).items():
+            a, b, c, d = own.get(name, (0.0, 0.0, 0, 0))
+            own[name] = (a + us, b + thread, c + n_ours, d + n_total)
+    return own
+
+
+def print_own(own: dict[str, tuple[float, float, int, int]], min_us: float = 0.05,
+              log: Any = print) -> float:
+    """One line per row of `own_costs` with the sample counts behind it (rows under
+    `min_us` left out); returns the total."""
+    for name, (us, thread, n_ours, n_total) in sorted(own.items()):
+        if us >= min_us:  # (few samples of ours: a rough figure; the sample counts say how rough)
+            log(f"  {name:<32} {us:6.1f} us   ({n_ours} of {n_total} running samples ours, "
+                f"its threads {thread:.0f} us per request)")
+    return sum(v[0] for v in own.values())
 
 
 def summary(path: Path, name: str, top: int) -> None:
@@ -229,18 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU per request: {sum(cpu.values()) / max(requests, 1) * 1e6:.0f} us without py-spy "
           f"({requests} requests), {paused_cpu / max(paused_requests, 1) * 1e6:.0f} us while it "
           f"sampled ({paused_requests} requests); the first prices the shares")
-    own: dict[str, tuple[float, float, int, int]] = {}
-    for path in profiles.values():
-        own.update(own_cost(path, cpu, requests))
+    own = own_costs(profiles.values(), cpu, requests)
     python_cpu = sum(v for (name, _), v in cpu.items() if not name.endswith(":native")) / max(requests, 1)
     all_cpu = sum(cpu.values()) / max(requests, 1)
     print(f"\nthe {args.connector} connector's own CPU per request (its code and what it calls, "
           f"from sample shares x thread CPU; {requests} requests in the window):")
-    for name, (us, thread, n_ours, n_total) in sorted(own.items()):
-        if us >= 0.05:  # (few samples of ours: a rough figure; the sample counts say how rough)
-            print(f"  {name:<32} {us:6.1f} us   ({n_ours} of {n_total} running samples ours, "
-                  f"thread {thread:.0f} us per request)")
-    total = sum(v[0] for v in own.values())
+    total = print_own(own)
     print(f"  {'all threads':<32} {total:6.1f} us of {all_cpu * 1e6:.0f} us per request "
           f"({python_cpu * 1e6:.0f} us in Python threads): {100 * total / (all_cpu * 1e6):.1f}%")
     print(f"\ncollapsed stacks: {', '.join(str(p) for p in profiles.values())}")

@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.profile_push import own_cost, py_spy, summary
+from benchmarks.cpu_ab import ProcessClock
+from benchmarks.profile_push import own_costs, print_own, py_spy, summary
 from benchmarks.serve_cpu import Pair, _send
 from connector.testing.otlp import OtlpGrpcReceiver
 from demo.engines import session_pids
@@ -38,23 +39,13 @@ from demo.model import random_checkpoint
 from demo.stack import MODEL_CACHE
 
 
-def _tasks(pair: Pair) -> list[tuple[str, int, int, Path]]:
-    """(process label, pid, tid, schedstat path) of every thread of both engines."""
-    out = []
+def _processes(pair: Pair) -> dict[int, str]:
+    """pid -> "engine:process name" for every process of both engines."""
+    out = {}
     for role, server in (("P", pair.prefill), ("D", pair.decode)):
         for pid in session_pids(server.pid):
             with contextlib.suppress(OSError):
-                comm = Path(f"/proc/{pid}/comm").read_text().strip()
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    out.append((f"{role}:{comm}", pid, int(task.name), task / "schedstat"))
-    return out
-
-
-def _read(tasks: list[tuple[str, int, int, Path]]) -> dict[tuple[str, int], float]:
-    out = {}
-    for label, _, tid, path in tasks:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            out[(label, tid)] = int(path.read_text().split()[0]) / 1e9
+                out[pid] = f"{role}:{Path(f'/proc/{pid}/comm').read_text().strip()}"
     return out
 
 
@@ -76,16 +67,17 @@ def _profile(variant: str, args: argparse.Namespace, model: Path, otlp: str, spy
                 failed = _send(pair, 4 * args.concurrency, args.concurrency, args.max_tokens, seed)
                 done[0] += 4 * args.concurrency - failed
 
-        tasks = _tasks(pair)
+        processes = _processes(pair)
+        clock = ProcessClock.of_processes(processes)
         driver = threading.Thread(target=drive, daemon=True)
         driver.start()
         time.sleep(3)  # a benchmark's ramp-up, not a synchronisation
-        before, n0 = _read(tasks), done[0]
+        before, n0 = clock.read_threads(), done[0]
         time.sleep(args.seconds)
-        after, n1 = _read(tasks), done[0]
+        after, n1 = clock.read_threads(), done[0]
         profiles = {}
         procs = []
-        for label, pid in sorted({(label, pid) for label, pid, _, _ in tasks}):
+        for pid, label in sorted(processes.items(), key=lambda item: (item[1], item[0])):
             path = out / f"{variant}-{label.replace(':', '-')}-{pid}.collapsed.txt"
             profiles[(label, pid)] = path
             procs.append(subprocess.Popen(
@@ -101,20 +93,15 @@ def _profile(variant: str, args: argparse.Namespace, model: Path, otlp: str, spy
     cpu = {k: after[k] - before.get(k, 0.0) for k in after}
     log(f"{variant}: {requests} requests in the {args.seconds} s window, "
         f"{sum(cpu.values()) / max(requests, 1) * 1e3:.2f} ms CPU per request (both engines)")
-    own: dict[str, tuple[float, float, int, int]] = {}
+    found = [path for path in profiles.values() if path.exists()]  # (py-spy skips non-Python ones)
     for (label, _), path in profiles.items():
-        if path.exists():
+        if path in found:
             summary(path, f"{variant} {label}", args.top)
-            for name, value in own_cost(path, cpu, requests).items():
-                prev = own.get(name, (0.0, 0.0, 0, 0))
-                own[name] = tuple(a + b for a, b in zip(prev, value, strict=True))  # type: ignore[assignment]
+    own = own_costs(found, cpu, requests)
     all_cpu = sum(cpu.values()) / max(requests, 1) * 1e6
     log(f"\n{variant}: the fork's own CPU per request, by process (sample shares x thread CPU):")
-    for name, (us, thread, n_ours, n_total) in sorted(own.items()):
-        log(f"  {name:<24} {us:7.1f} us   ({n_ours} of {n_total} running samples ours, "
-            f"its Python threads {thread:.0f} us per request)")
-    total = sum(v[0] for v in own.values())
-    log(f"  {'both engines':<24} {total:7.1f} us of {all_cpu:.0f} us per request: "
+    total = print_own(own, min_us=0.0, log=log)
+    log(f"  {'both engines':<32} {total:6.1f} us of {all_cpu:.0f} us per request: "
         f"{100 * total / max(all_cpu, 1e-9):.2f}%\n")
     return own
 

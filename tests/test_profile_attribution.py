@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.profile_push import _owner, _waiting, own_cost
+from benchmarks.profile_push import _owner, _waiting, own_cost, own_costs
 
 
 def _threading_line(text: str) -> int:
@@ -66,3 +66,20 @@ def test_own_cost_prices_the_share_among_running_samples_with_the_threads_cpu(tm
     # 10% of the running samples are ours: 30 us of the thread's 300 us per request (counting
     # the 700 waiting samples too would have made it 3 us).
     assert own_us == pytest.approx(30.0)
+
+
+def test_own_costs_sum_rows_of_one_name_across_processes(tmp_path):
+    # Two processes whose threads carry one label (real `vllm serve`: "P:python" is the API
+    # server and its helper alike): their rows add up, sample counts included.
+    paths = []
+    for i, tid in enumerate((201, 202)):
+        path = tmp_path / f"{i}.collapsed.txt"
+        head = f"thread ({tid}): MainThread;Thread.run (threading.py:982)"
+        path.write_text(f"{head};{VLLM_LOOP};{OUR_WRITE};{OUR_ATTRS} 10\n"
+                        f"{head};{VLLM_LOOP};{OUR_WRITE};{VLLM_XFER} 90\n")
+        paths.append(path)
+    cpu = {("P:python", 201): 0.1, ("P:python", 202): 0.2}
+    (own_us, thread_us, n_ours, n_running), = own_costs(paths, cpu, requests=1000).values()
+    assert (n_ours, n_running) == (20, 200)
+    assert thread_us == pytest.approx(300.0)
+    assert own_us == pytest.approx(30.0)  # 10% of 100 us, plus 10% of 200 us
