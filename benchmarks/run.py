@@ -148,11 +148,17 @@ def step_bench(rounds: int = 5, steps: int = 2000) -> dict[str, float]:
             for name, h in pair if i % 2 == 0 else pair[::-1]:
                 samples[name].extend(h[e].call("step_cost", steps) for e in ("P", "D"))
                 parts[name].extend(h[e].call("step_parts", steps) for e in ("P", "D"))
+    return _step_report(f"idle engine-loop step (worker start_load_kv + get_transfer_results + stats), "
+                        f"median of {rounds} rounds x {steps} steps per engine", samples, parts)
+
+
+def _step_report(title: str, samples: dict[str, list[float]],
+                 parts: dict[str, list[dict[str, float]]]) -> dict[str, float]:
+    """Print fork vs stock step medians and the per-call table; the medians in us."""
     med = {n: statistics.median(v) * 1e6 for n, v in samples.items()}
-    print(f"\n== idle engine-loop step (worker start_load_kv + get_transfer_results + stats), "
-          f"median of {rounds} rounds x {steps} steps per engine")
-    print(f"fork {med['fork']:.1f} us vs stock {med['stock']:.1f} us  ratio {med['fork'] / med['stock']:.2f} "
-          f"(+{med['fork'] - med['stock']:.1f} us per step)")
+    print(f"\n== {title}")
+    print(f"fork {med['fork']:.2f} us vs stock {med['stock']:.2f} us  ratio {med['fork'] / med['stock']:.2f} "
+          f"(+{med['fork'] - med['stock']:.2f} us per step)")
     print("per connector call (median us):")
     for call in parts["fork"][0]:
         f, s = (statistics.median(p[call] for p in parts[n]) * 1e6 for n in ("fork", "stock"))
@@ -163,25 +169,18 @@ def step_bench(rounds: int = 5, steps: int = 2000) -> dict[str, float]:
 def step_ab_bench(rounds: int = 8, steps: int = 3000) -> dict[str, float]:
     """The same idle step in one pair of fork engines, their classes swapped for vLLM's
     stock ones between rounds (`harness/stock_swap.py`): no pair offset in the difference."""
-    samples: dict[bool, list[float]] = {True: [], False: []}
-    parts: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    samples: dict[str, list[float]] = {"fork": [], "stock": []}
+    parts: dict[str, list[dict[str, float]]] = {"fork": [], "stock": []}
     with PushHarness.pd(connector=FORK) as h:
         assert h.push(2).ok
         for i in range(rounds):
-            for stock in (False, True) if i % 2 == 0 else (True, False):
-                h.stock_mode(stock)
-                samples[stock].extend(h[e].call("step_cost", steps) for e in ("P", "D"))
-                parts[stock].extend(h[e].call("step_parts", steps) for e in ("P", "D"))
+            for name in ("fork", "stock") if i % 2 == 0 else ("stock", "fork"):
+                h.stock_mode(name == "stock")
+                samples[name].extend(h[e].call("step_cost", steps) for e in ("P", "D"))
+                parts[name].extend(h[e].call("step_parts", steps) for e in ("P", "D"))
         h.stock_mode(False)
-    fork, stock = (statistics.median(samples[k]) * 1e6 for k in (False, True))
-    print(f"\n== the same idle step in one process, fork vs its stock swap, median of {rounds} "
-          f"alternating rounds x {steps} steps per engine")
-    print(f"fork {fork:.2f} us vs stock {stock:.2f} us  ratio {fork / stock:.2f} "
-          f"(+{fork - stock:.2f} us per step)")
-    for call in parts[False][0]:
-        f, s_ = (statistics.median(p[call] for p in parts[k]) * 1e6 for k in (False, True))
-        print(f"  {call:<24} fork {f:6.2f}  stock {s_:6.2f}  +{f - s_:5.2f}")
-    return {"fork_us": fork, "stock_us": stock}
+    return _step_report(f"the same idle step in one process, fork vs its stock swap, median of {rounds} "
+                        f"alternating rounds x {steps} steps per engine", samples, parts)
 
 
 def main(argv: list[str] | None = None) -> int:
