@@ -251,7 +251,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         record = self.xfer_stats.record_receive
         for req_id in results.finished_recving:
             failed = req_id in results.failed_recving
-            if not tracing:
+            if not tracing:  # (`_record_receive` inlined: one call fewer per receive)
                 seconds = clock.stop(req_id)
                 if seconds is not None:
                     record(_FAILURE if failed else _SUCCESS, seconds, None)
