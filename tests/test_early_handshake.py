@@ -5,6 +5,7 @@ off (`early_p_to_d_handshake: false`, upstream's order), and one fork D. For eac
 D registers a request while P's "prefill" is still running (P has not finished the
 request yet): the early P is connected to D before its blocks are ready, and its
 WRITE waits 0 s for a handshake; the other P only connects once the WRITE needs it.
+A third P (also upstream's order) takes a request whose trace the sampler dropped.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import secrets
 
 import pytest
 
-from connector.vocabulary import SPAN_HANDSHAKE, SPAN_PUSH_WRITE, Attr
+from connector.vocabulary import SPAN_HANDSHAKE, SPAN_PUSH_REGISTER, SPAN_PUSH_WRITE, Attr
 from harness import PushHarness
 from harness.config import FORK, EngineSpec
 from harness.runner import free_port
@@ -30,6 +31,9 @@ def trio_early(tmp_path_factory):
         EngineSpec(name="P", engine_id="prefill-early", kv_role="kv_producer",
                    side_channel_port=free_port(), **common),
         EngineSpec(name="L", engine_id="prefill-late", kv_role="kv_producer",
+                   side_channel_port=free_port(),
+                   extra_config={"early_p_to_d_handshake": False}, **common),
+        EngineSpec(name="U", engine_id="prefill-unsampled", kv_role="kv_producer",
                    side_channel_port=free_port(),
                    extra_config={"early_p_to_d_handshake": False}, **common),
         EngineSpec(name="D", engine_id="decode-early", kv_role="kv_consumer",
@@ -100,3 +104,45 @@ def test_without_it_the_write_pays_for_the_handshake(trio_early):
     [write] = [s for s in h["L"].call("spans") if s["name"] == SPAN_PUSH_WRITE
                and s["attributes"][Attr.REQUEST_ID] == run["p_id"]]
     assert write["attributes"][Attr.HANDSHAKE_WAIT] > 0.0
+
+
+def _headers(sampled: bool) -> dict[str, str]:
+    return {"traceparent": f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-{'01' if sampled else '00'}"}
+
+
+def test_a_dropped_trace_costs_no_span_and_keeps_no_state(trio_early):
+    """A request whose trace was dropped upstream (its traceparent unsampled): its KV
+    arrives, the WRITE that waited for a handshake is retried with the same dropped
+    context, no span of it is exported on either side, nothing of it stays in the
+    span tables; the handshake is still counted. The next, sampled request is traced."""
+    h = trio_early
+    p, d = h["U"], h["D"]
+    runs = []
+    for sampled in (False, True):
+        base = f"cmpl-{secrets.token_hex(6)}"
+        p_id, d_id = f"{base}-{secrets.token_hex(4)}", f"{base}-{secrets.token_hex(4)}"
+        p_blocks, d_blocks = p.allocate(2), d.allocate(2)
+        p.call("fill", p_blocks, 99)
+        d.call("register", d_id, d_blocks, p.address, p_id, False, _headers(sampled))
+        h.wait_for("U", lambda pending, d_id=d_id: d_id in pending, command="pending_registrations")
+        p.call("finish", p_id, p_blocks, 30.0, _headers(True))  # P's own request: sampled
+        h.wait_for("D", lambda r, d_id=d_id: d_id in r["finished_recving"], command="results")
+        assert p.call("digest", p_blocks) == d.call("digest", d_blocks)
+        runs.append((p_id, d_id))
+    (p_dropped, d_dropped), (p_kept, d_kept) = runs
+    [hs] = [x for x in handshakes(drain_stats(h, "U", has_handshakes(1))) if x["direction"] == "p_to_d"]
+    assert (hs["trigger"], hs["outcome"]) == ("push_write", "success")  # the dropped one's WRITE
+    p_spans, d_spans = p.call("spans"), d.call("spans")
+    request_ids = {s["attributes"].get(Attr.REQUEST_ID) for s in p_spans + d_spans}
+    assert not {p_dropped, d_dropped} & request_ids
+    assert not [s for s in p_spans if s["name"] == SPAN_HANDSHAKE]  # in the dropped trace
+    [write] = [s for s in p_spans if s["name"] == SPAN_PUSH_WRITE]
+    assert write["attributes"][Attr.REQUEST_ID] == p_kept
+    [register] = [s for s in d_spans if s["name"] == SPAN_PUSH_REGISTER
+                  and s["attributes"][Attr.REQUEST_ID] == d_kept]
+    assert (write["trace_id"], write["parent_span_id"]) == (register["trace_id"], register["span_id"])
+    for engine, tables in (("U", ("_write_spans", "_write_deferred_at", "_request_contexts")),
+                           ("D", ("_receive_spans", "_register_spans"))):
+        sizes = h.wait_for(engine, lambda s, tables=tables: not any(s[t] for t in tables),
+                           command="state_sizes")
+        assert not any(sizes[t] for t in tables), sizes

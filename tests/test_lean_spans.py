@@ -128,9 +128,10 @@ def test_lean_spans_follow_the_providers_sampler(sampler):
 
 
 def test_children_of_sampled_parents_skip_the_default_sampler_and_export_the_same():
-    """With the default parent-based sampler a sampled parent's child is always kept:
-    the lean tracer then does not ask the sampler (the exported bytes stay the SDK's,
-    see above); roots are still asked."""
+    """With the default parent-based sampler a sampled parent's child is always kept,
+    and its `always_on` root delegate keeps every root: the lean tracer then asks the
+    sampler for neither (the exported bytes stay the SDK's, see above). A subclass is
+    asked for every span."""
     asked = []
 
     class Spy(sampling.ParentBased):
@@ -150,7 +151,62 @@ def test_children_of_sampled_parents_skip_the_default_sampler_and_export_the_sam
     provider.sampler = Spy(sampling.ALWAYS_ON)  # (what the lean tracer would ask, if it did)
     lean._sampler = provider.sampler
     _drive(lean)
-    assert len(asked) == 1  # only the root
+    assert not asked
+
+
+class ListedIds(IdGenerator):
+    """Trace ids from a list (span ids from a counter)."""
+
+    def __init__(self, trace_ids: list[int]) -> None:
+        self._trace_ids = iter(trace_ids)
+        self._spans = itertools.count(1)
+
+    def generate_span_id(self) -> int:
+        return next(self._spans)
+
+    def generate_trace_id(self) -> int:
+        return next(self._trace_ids)
+
+
+class NotToBeAsked(sampling.Sampler):
+    def should_sample(self, *args, **kwargs):
+        raise AssertionError("the sampler was asked")
+
+    def get_description(self) -> str:
+        return "NotToBeAsked"
+
+
+@pytest.mark.parametrize("sampler, kept", [
+    (sampling.ALWAYS_ON, "all"), (sampling.ALWAYS_OFF, "none"),
+    (sampling.ParentBased(sampling.ALWAYS_OFF), "none"),
+    (sampling.TraceIdRatioBased(0.25), "some"),
+    (sampling.ParentBased(sampling.TraceIdRatioBased(0.25)), "some"),
+])
+def test_root_decisions_of_the_built_in_samplers_match_the_sdks_without_asking(sampler, kept):
+    """A root span under the SDK's built-in samplers is decided from its trace id
+    alone: the same decision and span context as the SDK's, the sampler never asked.
+    The trace ids straddle the ratio's bound and carry random high bits (the ratio
+    reads the low 64 only)."""
+    import random
+
+    rng = random.Random(7)
+    bound = sampling.TraceIdRatioBased(0.25).bound
+    lows = [0, 1, bound - 1, bound, bound + 1, (1 << 64) - 1] + [rng.getrandbits(64) for _ in range(200)]
+    trace_ids = [(rng.getrandbits(64) << 64) | low or 1 for low in lows]
+    decided = []
+    for lean in (False, True):
+        provider, processor, _ = _pair(sampler)
+        provider.id_generator = ListedIds(trace_ids)
+        tracer = provider.get_tracer(TRACER_NAME)
+        if lean:
+            tracer = LeanTracer(provider, processor, TRACER_NAME)
+            tracer._sampler = NotToBeAsked()
+        spans = [tracer.start_span("nixl.push.receive", start_time=1) for _ in trace_ids]
+        decided.append([(s.is_recording(), s.get_span_context()) for s in spans])
+    assert decided[0] == decided[1]
+    recorded = [recording for recording, _ in decided[1]]
+    assert {"all": all(recorded), "none": not any(recorded),
+            "some": recorded[:5] == [True, True, True, False, False]}[kept]
 
 
 @pytest.mark.parametrize("root_sampler, kept", [(sampling.ALWAYS_ON, True), (sampling.ALWAYS_OFF, False)])

@@ -244,6 +244,7 @@ class PushFlow:
             self._tell_decoder(registration_data, PushFailReason.LEASE_EXPIRED)
             return
         span = None
+        kept = True  # the span is in `_write_spans` (or there is none)
         if self._spans.enabled:
             span = self._write_spans.get(request_id)
             if span is None:
@@ -257,10 +258,13 @@ class PushFlow:
                         Attr.REMOTE_ENGINE_ID: peer_str(registration_data.get("decode_engine_id", "")),
                         Attr.LOCAL_ENGINE_ID: self.engine_id,
                         Attr.NUM_BLOCKS: count_blocks(local_block_ids)})
-                self._write_spans.put(request_id, span)
+                if span is not None and span.is_recording():
+                    self._write_spans.put(request_id, span)
+                else:  # a dropped request's: P's main thread has nothing to end
+                    kept = span is None
         local = self._trigger_local
         local.deferred = False
-        if span is not None or self._write_deferred_at:  # else: nothing to note
+        if (span is not None and kept) or self._write_deferred_at:  # else: nothing to note
             # Before the WRITE is posted: once it is, P's main thread may end the span.
             self._note_handshake_wait(request_id, span)
         try:
@@ -277,6 +281,8 @@ class PushFlow:
             self._log_failure(failure_type="transfer_setup_failed", req_id=request_id,
                               msg="push could not start", error=exc)
         if local.deferred:
+            if not kept:  # (so that its retry continues the same dropped trace)
+                self._write_spans.put(request_id, span)
             self._note_deferred(request_id)
 
     def _note_handshake_wait(self, request_id: str, span: Any) -> None:

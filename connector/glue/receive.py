@@ -94,7 +94,10 @@ class ReceiveFlow:
                     Attr.REMOTE_ENGINE_ID: peer_str(reg_data.get("remote_engine_id", "")),
                     Attr.SERVER_ADDRESS: peer_str(reg_data.get("remote_host", "")),
                     Attr.SERVER_PORT: port if type(port) is int else 0})
-            self._register_spans.put(req_id, span)
+            if span is not None and span.is_recording():
+                # (A dropped request's span is its receive span's context: nothing to
+                # end, and a re-queued PUSH_REG derives the same one again.)
+                self._register_spans.put(req_id, span)
         if PUSH_REG_TRACE_KEY not in reg_data:
             carrier = inject_context(span)
             if carrier:

@@ -42,6 +42,7 @@ _UNSET = Status(StatusCode.UNSET)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C level 2 flag, newer SDKs only
+_TRACE_ID_LIMIT = (1 << 64) - 1  # the part of a trace id the SDK's ratio sampler reads
 
 
 def lean_spans_wanted() -> bool:
@@ -65,6 +66,7 @@ class LeanTracer:
         self._sdk_tracer = provider.get_tracer(name, version)
         self._checked: Any = None  # the provider's processor tuple last found to be ours alone
         self._follows_sampled_parents = _keeps_children_of_sampled_parents(self._sampler)
+        self._root_bound = _root_bound(self._sampler)
         # `start_span` may then take the attributes as a function, called only for a span
         # the sampler keeps (a dropped request builds none).
         self.decides_before_attributes = _ignores_attributes(self._sampler)
@@ -107,6 +109,20 @@ class LeanTracer:
             parent = None
             trace_id = self._ids.generate_trace_id()
             random_id = self._random_ids
+            bound = self._root_bound
+            if bound is not None:
+                # What the sampler would answer for a root, without asking it (see
+                # `_root_bound`): a dropped request's root then costs its ids only.
+                sampled = (trace_id & _TRACE_ID_LIMIT) < bound
+                flags = _SAMPLED if sampled else _NOT_SAMPLED
+                if random_id and _RANDOM:
+                    flags = TraceFlags(flags | _RANDOM)
+                span_context = SpanContext(trace_id, self._ids.generate_span_id(), is_remote=False,
+                                           trace_flags=flags)
+                if not sampled:
+                    return trace.NonRecordingSpan(span_context)
+                return LeanSpan(self, name, span_context, None, kind,
+                                attributes if factory is None else factory(), links, start_time)
         else:
             trace_id = parent.trace_id
             random_id = bool(int(parent.trace_flags) & _RANDOM)
@@ -139,6 +155,29 @@ def _keeps_children_of_sampled_parents(sampler: Any) -> bool:
     return (type(sampler) is ParentBased
             and getattr(sampler, "_remote_parent_sampled", None) is ALWAYS_ON
             and getattr(sampler, "_local_parent_sampled", None) is ALWAYS_ON)
+
+
+def _root_bound(sampler: Any) -> int | None:
+    """For the SDK's built-in samplers, the bound a root span's trace id (its low 64
+    bits) must stay under to be sampled; None for any other sampler (then asked).
+
+    `always_on` keeps every root, `always_off` none, `traceidratio` those under its
+    bound; a parent-based sampler decides a root with its root delegate. None of them
+    adds a trace state to a root, and each keeps (records and samples) or drops.
+    """
+    from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler, TraceIdRatioBased
+
+    if type(sampler) is ParentBased:
+        sampler = getattr(sampler, "_root", None)
+    if type(sampler) is TraceIdRatioBased:
+        return int(sampler.bound)
+    if type(sampler) is StaticSampler:
+        decision = getattr(sampler, "_decision", None)
+        if decision is Decision.RECORD_AND_SAMPLE:
+            return _TRACE_ID_LIMIT + 1
+        if decision is Decision.DROP:
+            return 0
+    return None
 
 
 def _ignores_attributes(sampler: Any) -> bool:

@@ -205,8 +205,14 @@ def _parse_traceparent(value: str) -> Any:
     trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
     if trace_id == INVALID_TRACE_ID or span_id == INVALID_SPAN_ID:
         return None
-    return trace.SpanContext(trace_id, span_id, is_remote=True,
-                             trace_flags=trace.TraceFlags(int(flags_hex, 16)))
+    flags = _FLAGS.get(flags_hex)
+    if flags is None:
+        flags = trace.TraceFlags(int(flags_hex, 16))
+    return trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=flags)
+
+
+# The flags nearly every traceparent carries (dropped, sampled), made once.
+_FLAGS = {"00": trace.TraceFlags(0), "01": trace.TraceFlags(1)}
 
 
 def inject_context(span: Any) -> dict[str, str]:
@@ -240,6 +246,12 @@ def extract_context(carrier: Any) -> Any:
         errors.note(TelemetryError.TRACE_CONTEXT, f"{len(carrier)} keys", exc_info=False)
         return None
     try:
+        if len(carrier) == 1:  # the common case: a traceparent alone, as we send it
+            value = carrier.get("traceparent")
+            if type(value) is str and len(value) <= 64:
+                span_context = _parse_traceparent(value)
+                if span_context is not None:
+                    return trace.set_span_in_context(trace.NonRecordingSpan(span_context))
         # A peer controls this: keep only the W3C keys, at their real sizes.
         clean = {k: v for k, v in carrier.items()
                  if k in ("traceparent", "tracestate") and isinstance(v, str)
@@ -333,15 +345,14 @@ class SpanEmitter:
             if parent is None:
                 parent = otel_context.Context()
             else:
-                if isinstance(parent, otel_context.Context):
-                    span_context = trace.get_current_span(parent).get_span_context()
-                else:
-                    span_context = parent.get_span_context()
-                    parent = trace.set_span_in_context(parent)
+                is_context = isinstance(parent, otel_context.Context)
+                span_context = (trace.get_current_span(parent) if is_context else parent).get_span_context()
                 if span_context.is_valid and not span_context.trace_flags.sampled:
                     # The sampler dropped the parent, so it drops this child (every SDK
                     # sampler decides per trace or follows the parent): skip the SDK.
                     return trace.NonRecordingSpan(span_context)
+                if not is_context:
+                    parent = trace.set_span_in_context(parent)
             if callable(attributes):
                 if getattr(self.tracer, "decides_before_attributes", False):
                     # The lean tracer asks the sampler first and builds them only for a
