@@ -181,6 +181,7 @@ class NotToBeAsked(sampling.Sampler):
     (sampling.ParentBased(sampling.ALWAYS_OFF), "none"),
     (sampling.TraceIdRatioBased(0.25), "some"),
     (sampling.ParentBased(sampling.TraceIdRatioBased(0.25)), "some"),
+    (sampling.ParentBasedTraceIdRatio(0.25), "some"),  # what parentbased_traceidratio makes
 ])
 def test_root_decisions_of_the_built_in_samplers_match_the_sdks_without_asking(sampler, kept):
     """A root span under the SDK's built-in samplers is decided from its trace id
@@ -207,6 +208,23 @@ def test_root_decisions_of_the_built_in_samplers_match_the_sdks_without_asking(s
     recorded = [recording for recording, _ in decided[1]]
     assert {"all": all(recorded), "none": not any(recorded),
             "some": recorded[:5] == [True, True, True, False, False]}[kept]
+
+
+@pytest.mark.parametrize("name", ["parentbased_always_on", "parentbased_always_off",
+                                  "parentbased_traceidratio", "always_on", "always_off", "traceidratio"])
+def test_every_sampler_the_environment_names_takes_the_fast_paths(monkeypatch, name):
+    """`OTEL_TRACES_SAMPLER`'s built-in samplers: roots decided from the trace id,
+    attributes built only for kept spans, a sampled parent's child kept unasked
+    (parent-based ones)."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", name)
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.1")
+    provider = TracerProvider()
+    processor = SimpleSpanProcessor(InMemorySpanExporter())
+    provider.add_span_processor(processor)
+    lean = LeanTracer(provider, processor, TRACER_NAME)
+    assert lean._root_bound is not None
+    assert lean.decides_before_attributes
+    assert lean._follows_sampled_parents is name.startswith("parentbased")
 
 
 @pytest.mark.parametrize("root_sampler, kept", [(sampling.ALWAYS_ON, True), (sampling.ALWAYS_OFF, False)])

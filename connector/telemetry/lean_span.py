@@ -146,13 +146,22 @@ class LeanTracer:
                         result.attributes if factory is None else factory(), links, start_time)
 
 
+def _sdk_parent_based(sampler: Any) -> bool:
+    """The SDK's own parent-based sampler: `ParentBased`, or the `ParentBasedTraceIdRatio`
+    that `OTEL_TRACES_SAMPLER=parentbased_traceidratio` makes (it only builds the root
+    delegate). A user's subclass may decide otherwise, so it is asked."""
+    from opentelemetry.sdk.trace.sampling import ParentBased, ParentBasedTraceIdRatio
+
+    return type(sampler) in (ParentBased, ParentBasedTraceIdRatio)
+
+
 def _keeps_children_of_sampled_parents(sampler: Any) -> bool:
     """The SDK's parent-based sampler with its default delegates for a sampled parent
     (`ALWAYS_ON`, local and remote): it then records and samples every child of a
     sampled parent (the default `parentbased_always_on`, and `parentbased_traceidratio`)."""
-    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-    return (type(sampler) is ParentBased
+    return (_sdk_parent_based(sampler)
             and getattr(sampler, "_remote_parent_sampled", None) is ALWAYS_ON
             and getattr(sampler, "_local_parent_sampled", None) is ALWAYS_ON)
 
@@ -165,9 +174,9 @@ def _root_bound(sampler: Any) -> int | None:
     bound; a parent-based sampler decides a root with its root delegate. None of them
     adds a trace state to a root, and each keeps (records and samples) or drops.
     """
-    from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler, TraceIdRatioBased
+    from opentelemetry.sdk.trace.sampling import Decision, StaticSampler, TraceIdRatioBased
 
-    if type(sampler) is ParentBased:
+    if _sdk_parent_based(sampler):
         sampler = getattr(sampler, "_root", None)
     if type(sampler) is TraceIdRatioBased:
         return int(sampler.bound)
@@ -183,11 +192,11 @@ def _root_bound(sampler: Any) -> int | None:
 def _ignores_attributes(sampler: Any) -> bool:
     """The SDK's built-in samplers decide without looking at a span's attributes (and
     hand back exactly those they were given); a custom one may look at them."""
-    from opentelemetry.sdk.trace.sampling import ParentBased, StaticSampler, TraceIdRatioBased
+    from opentelemetry.sdk.trace.sampling import StaticSampler, TraceIdRatioBased
 
     if type(sampler) in (StaticSampler, TraceIdRatioBased):
         return True
-    if type(sampler) is ParentBased:
+    if _sdk_parent_based(sampler):
         delegates = [getattr(sampler, name, None) for name in (
             "_root", "_remote_parent_sampled", "_remote_parent_not_sampled",
             "_local_parent_sampled", "_local_parent_not_sampled")]
