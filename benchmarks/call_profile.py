@@ -29,6 +29,7 @@ from harness.config import FORK, STOCK
 from harness.runner import LOG_DIR_ENV
 
 # Blocking waits (their wall time is idle, not work): left out of the listing.
+OURS = "connector/"
 _WAITS = ("<method 'poll' of 'select.poll' objects>", "<method 'acquire' of '_thread.lock' objects>")
 
 
@@ -39,6 +40,12 @@ def _per_request(path: Path, n: int) -> dict[str, tuple[float, float]]:
         where = file.split("site-packages/")[-1].split(f"{os.getcwd()}/")[-1]
         out[f"{func} ({where}:{line})"] = (calls / n, tottime / n * 1e6)
     return out
+
+
+def _calls(profile: dict[str, tuple[float, float]], where: str = "") -> float:
+    """Calls per request of the functions whose file starts with `where` (all: "";
+    vLLM's own `.../kv_connector/...` is not ours)."""
+    return sum(calls for key, (calls, _) in profile.items() if key.rpartition(" (")[2].startswith(where))
 
 
 def _run(name: str, n: int, batch: int, out: Path, **kw: Any) -> None:
@@ -89,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                   "(calls, cProfile us), largest time differences first")
             zero = (0.0, 0.0)
             keys = [k for k in set(base) | set(new) if not k.startswith(_WAITS)]
+            print("  calls per request, all / into connector/: "
+                  f"{_calls(base):.1f} / {_calls(base, OURS):.1f} -> "
+                  f"{_calls(new):.1f} / {_calls(new, OURS):.1f}")
             for key in sorted(keys, key=lambda k: -(new.get(k, zero)[1] - base.get(k, zero)[1]))[:args.top]:
                 (c0, t0), (c1, t1) = base.get(key, zero), new.get(key, zero)
                 print(f"  {t1 - t0:+8.2f} us  calls {c0:6.2f} -> {c1:6.2f}  {key[:100]}")
