@@ -260,7 +260,11 @@ class Engine:
             if not info.req_ids:
                 del self.heartbeats[engine_id]
 
-    def _track_heartbeat(self, prefill: dict[str, Any], remote_request_id: str) -> None:
+    def _track_heartbeat(self, prefill: dict[str, Any], remote_request_id: str,
+                         now: bool = False) -> None:
+        """Heartbeat P for this request from now on. Sent as vLLM's D scheduler sends
+        them: every HEARTBEAT_INTERVAL_S for all waiting requests, the first one at once
+        (`now`: on this request's first step anyway, an explicit heartbeat)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo
 
         info = self.heartbeats.get(prefill["engine_id"])
@@ -269,11 +273,17 @@ class Engine:
                                  tp_size=prefill.get("tp_size", 1), pp_size=prefill.get("pp_size", 1))
             self.heartbeats[prefill["engine_id"]] = info
         info.req_ids.add(remote_request_id)
-        # The scheduler sends heartbeats on the first step after a request arrives.
-        self.pending_meta.heartbeat_by_engine = dict(self.heartbeats)
+        # vLLM throttles heartbeats to one per interval for all requests, from a last
+        # send time of 0: the first request's go out on its first step, later ones with
+        # the next interval's. (Until 2026-12-01 the harness sent one on every request's
+        # first step: a second NIXL notification per request from D's main thread, at
+        # the moment D's writer sends the PUSH_REG, both spinning on UCX's lock.)
+        if now or not self.last_heartbeat:
+            self.pending_meta.heartbeat_by_engine = dict(self.heartbeats)
 
     def cmd_heartbeat(self, prefill: dict[str, Any], remote_request_id: str) -> None:
-        self._track_heartbeat(prefill, remote_request_id)
+        """Heartbeat P for this request, the first one on the next step."""
+        self._track_heartbeat(prefill, remote_request_id, now=True)
 
     def cmd_stop_heartbeats(self, engine_id: str | None = None) -> None:
         """Stop heartbeating every prefill engine, or only `engine_id`."""
