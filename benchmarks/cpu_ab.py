@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import tempfile
 import time
@@ -44,7 +43,7 @@ from benchmarks.cpu_cost import _SDK_DEFAULT_DELAY, _diff, _spread, push_batches
 from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
 from harness.config import FORK
-from harness.runner import LOG_DIR_ENV
+from harness.runner import quiet_engine_logs
 
 PAIRS: dict[str, dict[str, Any]] = {
     "off": {},
@@ -227,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in PAIRS]
     if unknown or not names:
         ap.error(f"pairs come from {', '.join(PAIRS)}; got {unknown or names}")
-    os.environ.setdefault(LOG_DIR_ENV, tempfile.mkdtemp(prefix="bench-ab-logs-"))
-    print(f"engine logs: {os.environ[LOG_DIR_ENV]}", flush=True)
+    quiet_engine_logs("bench-ab-logs-")
     cpu_ab_bench(args.sessions, args.rounds, args.batches, args.batch, names, args.bulk)
     return 0
 

@@ -38,7 +38,6 @@ measured.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -48,7 +47,7 @@ from typing import Any
 from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
 from harness.config import FORK, STOCK
-from harness.runner import LOG_DIR_ENV
+from harness.runner import quiet_engine_logs
 
 
 def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -245,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated subset of {', '.join(VARIANTS)} (stock is the baseline)")
     args = ap.parse_args(argv)
     names = [n for n in args.variants.split(",") if n]
-    os.environ.setdefault(LOG_DIR_ENV, tempfile.mkdtemp(prefix="bench-cpu-logs-"))
-    print(f"engine logs: {os.environ[LOG_DIR_ENV]}", flush=True)
+    quiet_engine_logs("bench-cpu-logs-")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or "stock" not in names:
         ap.error(f"variants must include stock and come from {', '.join(VARIANTS)}; got {unknown or names}")

@@ -25,7 +25,7 @@ from typing import Any
 
 from harness import PushHarness
 from harness.config import FORK, STOCK, EngineSpec
-from harness.runner import free_port
+from harness.runner import free_port, quiet_engine_logs
 
 
 def _one(h: PushHarness, prefill: str, prefill_s: float, forget: bool) -> float:
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prefill-ms", type=float, default=300.0)
     args = ap.parse_args(argv)
+    quiet_engine_logs("bench-first-logs-")
     first_request_bench(args.rounds, args.d_blocks, args.layers, args.prefill_ms)
     return 0
 

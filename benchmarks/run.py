@@ -20,7 +20,7 @@ import time
 from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
 from harness.config import FORK, STOCK, EngineSpec
-from harness.runner import free_port
+from harness.runner import free_port, quiet_engine_logs
 
 
 def handshake_bench(layers: int, blocks: int, rounds: int) -> dict[str, float]:
@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", action="store_true",
                         help="only: push latency with the trace back-end down or slow (benchmarks.backends)")
     args = parser.parse_args(argv)
+    quiet_engine_logs("bench-run-logs-")
     if args.backends:
         from benchmarks.backends import backends_bench
 

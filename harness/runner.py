@@ -25,6 +25,14 @@ LOG_DIR_ENV = "HARNESS_LOG_DIR"
 START_TIMEOUT_S = float(os.environ.get("HARNESS_START_TIMEOUT_S", "180"))
 
 
+def quiet_engine_logs(prefix: str) -> str:
+    """Engine output to files (a benchmark's console stays readable): the directory in
+    `HARNESS_LOG_DIR` (`make bench` sets one), else a new temporary one; printed."""
+    path = os.environ.setdefault(LOG_DIR_ENV, tempfile.mkdtemp(prefix=prefix))
+    print(f"engine logs: {path}", flush=True)
+    return path
+
+
 class EngineError(RuntimeError):
     """An engine process reported an error or died."""
 
