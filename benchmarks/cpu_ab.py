@@ -8,7 +8,9 @@ each batch its engines swap the fork's classes and wrappers for vLLM's own, or b
 threads and memory, with no pair offset between them.
 
 Pairs: the fork with tracing off, and with tracing on (always-on sampler, batch export
-over OTLP/gRPC to a local receiver with the SDK's default schedule). Each session starts
+over OTLP/gRPC to a local receiver with the SDK's default schedule); `aa`, the A/A
+control, alternates alike with both modes stock (its ratio shows the method's own
+spread). Each session starts
 the pairs afresh; each round then pushes `--batches` batches per mode through one pair
 while the other pairs are frozen (SIGSTOP). Without tracing the mode alternates batch by
 batch (ABBA). With tracing each mode runs its batches in one block, the fork's block
@@ -25,7 +27,7 @@ wall time closely (engine loops stepping at 1 kHz, NIXL progress threads and vLL
 writer polling), so a batch's CPU spreads as widely as its wall time does.
 
     python -m benchmarks.cpu_ab [--sessions 2] [--rounds 8] [--batches 6] [--batch 50]
-        [--bulk] [--pairs off,on]
+        [--bulk] [--pairs aa,off,on]
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from harness.config import FORK
 from harness.runner import quiet_engine_logs
 
 PAIRS: dict[str, dict[str, Any]] = {
+    # A/A control: the same alternation, but both modes run vLLM's stock code paths.
+    "aa": {"control": True},
     "off": {},
     "on": {"tracing": {**_SDK_DEFAULT_DELAY}},  # always-on sampler (the SDK's default)
     "on-10%": {"tracing": {**_SDK_DEFAULT_DELAY, "sampler": "parentbased_traceidratio",
@@ -134,6 +138,7 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
             try:
                 for name in names[session % len(names):] + names[:session % len(names)]:
                     kw = dict(PAIRS[name])
+                    kw.pop("control", None)
                     if "tracing" in kw:
                         kw["tracing"] = {"endpoint": rx.endpoint, "protocol": "grpc", **kw["tracing"]}
                     pairs[name] = h = PushHarness.pd(
@@ -150,6 +155,7 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                 for r in range(rounds):
                     for name in names[r % len(names):] + names[:r % len(names)]:
                         h, traced = pairs[name], "tracing" in PAIRS[name]
+                        control = PAIRS[name].get("control", False)
                         h.resume()
                         spent = {True: defaultdict(float), False: defaultdict(float)}
                         wall = {True: 0.0, False: 0.0}
@@ -159,7 +165,7 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                                 flush = i % batches == batches - 1
                             else:  # ABBA batch by batch: S F F S S F F S ...
                                 stock, flush = (i % 4) in (0, 3), False
-                            h.stock_mode(stock)
+                            h.stock_mode(stock or control)
                             w, by_thread = _batch(h, clocks[name], flush, batch, bulk)
                             wall[stock] += w
                             for k, v in by_thread.items():
@@ -220,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bulk", action="store_true",
                     help="each batch in one command per engine (one D step registers it all, "
                          "one P step finishes it all), as under load")
-    ap.add_argument("--pairs", default="off,on", help=f"comma-separated subset of {', '.join(PAIRS)}")
+    ap.add_argument("--pairs", default="aa,off,on", help=f"comma-separated subset of {', '.join(PAIRS)}")
     args = ap.parse_args(argv)
     names = [n for n in args.pairs.split(",") if n]
     unknown = [n for n in names if n not in PAIRS]
