@@ -57,6 +57,14 @@ def _field(tag: bytes, payload: bytes) -> bytes:
     return tag + _varint(len(payload)) + payload
 
 
+def _remember(cache: dict[Any, bytes], key: Any, out: bytes) -> bytes:
+    """Keep `out` under `key` in a bounded cache (cleared when full); returns `out`."""
+    if len(cache) >= _CACHE_MAX:
+        cache.clear()
+    cache[key] = out
+    return out
+
+
 def _text(tag: bytes, value: str) -> bytes:
     """A string field, its encoding kept when it repeats (names, keys)."""
     key = (tag, value)
@@ -65,9 +73,7 @@ def _text(tag: bytes, value: str) -> bytes:
         return hit
     out = _field(tag, value.encode("utf-8"))
     if len(value) <= 128:
-        if len(_text_cache) >= _CACHE_MAX:
-            _text_cache.clear()
-        _text_cache[key] = out
+        _remember(_text_cache, key, out)
     return out
 
 
@@ -107,9 +113,7 @@ def _key_value(key: str, value: Any) -> bytes:
             return hit
     out = (_text(b"\x0a", key) if key else b"") + _field(b"\x12", _any_value(value))
     if cacheable:
-        if len(_kv_cache) >= _CACHE_MAX:
-            _kv_cache.clear()
-        _kv_cache[ck] = out
+        _remember(_kv_cache, ck, out)
     return out
 
 
@@ -137,9 +141,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None,
                 kv = _text(b"\x0a", key) + b"\x12" + _varint(len(any_value)) + any_value
                 out = tag + _varint(len(kv)) + kv
                 if ck is not None:
-                    if len(cache) >= _CACHE_MAX:
-                        cache.clear()
-                    cache[ck] = out
+                    _remember(cache, ck, out)
             parts.append(out)
             continue
         if kind is int or kind is bool or kind is float:
@@ -152,9 +154,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None,
                 except (TypeError, ValueError):
                     skipped.append(key)
                     continue
-                if len(cache) >= _CACHE_MAX:
-                    cache.clear()
-                cache[ck] = out
+                _remember(cache, ck, out)
             parts.append(out)
             continue
         try:
