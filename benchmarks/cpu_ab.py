@@ -162,8 +162,7 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                         # more, and it was always a stock one (the A/A pair read 0.96).
                         # (In stock mode: no spans of it reach the fork's measured flush.)
                         h.stock_mode(True)
-                        h.reuse_blocks("P", "D")
-                        assert not h.push(batch, verify=False, bulk=bulk).failed
+                        push_batches(h, batch, batch, bulk)
                         spent = {True: defaultdict(float), False: defaultdict(float)}
                         wall = {True: 0.0, False: 0.0}
                         for i in range(2 * batches):

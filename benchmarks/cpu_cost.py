@@ -156,11 +156,11 @@ def _measured_alone(h: PushHarness, measure: Any) -> Any:
         h.pause()
 
 
-def push_batches(h: PushHarness, requests: int, batch: int) -> None:
+def push_batches(h: PushHarness, requests: int, batch: int, bulk: bool = False) -> None:
     """`requests` unverified pushes in batches, into the same blocks (the cache is small on purpose)."""
     for _ in range(requests // batch):
         h.reuse_blocks("P", "D")
-        report = h.push(batch, verify=False)
+        report = h.push(batch, verify=False, bulk=bulk)
         assert not report.failed, report
 
 
