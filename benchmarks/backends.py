@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.run import _interleaved, latency_summary, print_ratio_rows
 from connector.testing.otlp import OtlpHttpReceiver
 from harness import PushHarness
 from harness.config import FORK
@@ -21,8 +22,6 @@ from harness.runner import free_port
 
 def _pair(a: tuple[str, dict], b: tuple[str, dict], requests: int, batches: int,
           blocks: int) -> dict[str, float]:
-    from benchmarks.run import _interleaved, latency_summary
-
     (name_a, kw_a), (name_b, kw_b) = a, b
     with PushHarness.pd(num_blocks=blocks, **kw_a) as ha, PushHarness.pd(num_blocks=blocks, **kw_b) as hb:
         lat = _interleaved({name_a: ha, name_b: hb}, requests, batches)
@@ -45,18 +44,15 @@ def backends_bench(requests: int, batches: int, slow_s: float = 2.0) -> dict[str
     finally:
         slow.close()
     rows = [
-        ("OTLP endpoint down / tracing off", r_down["down"], r_down["off"], r_down),
-        (f"OTLP receiver slow ({slow_s:.0f} s per export) / tracing off", r_slow["slow"], r_slow["off"],
-         r_slow),
-        ("A/A control: tracing off / tracing off", r_aa["A"], r_aa["B"], r_aa),
+        ("OTLP endpoint down / tracing off", "down", "off", r_down),
+        (f"OTLP receiver slow ({slow_s:.0f} s per export) / tracing off", "slow", "off", r_slow),
+        ("A/A control: tracing off / tracing off", "A", "B", r_aa),
     ]
     print(f"\n== push latency with a faulty trace back-end, medians over {requests} requests "
           f"per engine, {batches} interleaved batches, each pair alive at once")
-    for label, x, y, r in rows:
-        print(f"{label:52s}: {x:7.2f} ms vs {y:7.2f} ms  ratio {x / y:.3f}; per batch "
-              f"{r['batch_ratio']:.3f} [{r['batch_min']:.3f}-{r['batch_max']:.3f}]")
+    ratios = print_ratio_rows(rows, 52)
     spread = abs(r_aa["A"] / r_aa["B"] - 1)
     print(f"A/A spread: {spread * 100:.1f}% (differences below it are noise)")
     for name, res in (("down", r_down), ("slow", r_slow)):
         print(f"D's spans with the {name} back-end: {res[f'{name}_ledger']}")
-    return {label: x / y for label, x, y, _ in rows}
+    return ratios

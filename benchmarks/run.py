@@ -92,6 +92,17 @@ def latency_summary(lat: dict[str, list[list[float]]], a: str, b: str) -> dict[s
     return out
 
 
+def print_ratio_rows(rows: list[tuple[str, str, str, dict[str, float]]], width: int) -> dict[str, float]:
+    """One line per (label, a, b, `latency_summary` of the pair): medians, their ratio and
+    the per-batch spread; returns label -> ratio of medians."""
+    ratios = {}
+    for label, a, b, r in rows:
+        ratios[label] = r[a] / r[b]
+        print(f"{label:{width}s}: {r[a]:7.2f} ms vs {r[b]:7.2f} ms  ratio {ratios[label]:.3f}; per batch "
+              f"{r['batch_ratio']:.3f} [{r['batch_min']:.3f}-{r['batch_max']:.3f}]")
+    return ratios
+
+
 def _pair(a: tuple[str, dict], b: tuple[str, dict], requests: int, batches: int,
           blocks: int) -> dict[str, float]:
     """Latencies of two harnesses alive at once, batches interleaved (`latency_summary`)."""
@@ -120,19 +131,17 @@ def push_bench(requests: int, batches: int) -> dict[str, float]:
     finally:
         receiver.close()
     rows = [
-        ("fork (tracing off) / stock", vs_stock["fork"], vs_stock["stock"], vs_stock),
-        ("fork OTLP/gRPC traced / fork tracing off", traced["traced"], traced["off"], traced),
-        ("A/A control: fork / fork", control["A"], control["B"], control),
+        ("fork (tracing off) / stock", "fork", "stock", vs_stock),
+        ("fork OTLP/gRPC traced / fork tracing off", "traced", "off", traced),
+        ("A/A control: fork / fork", "A", "B", control),
     ]
     print(f"\n== push flow latency (registration handed to D's worker -> D reports the KV landed), "
           f"medians over {requests} requests per engine pair, {batches} interleaved batches; "
           "each pair runs with both harnesses alive; per batch: the median [min-max] of the "
           "batches' median ratios")
-    for label, x, y, r in rows:
-        print(f"{label:42s}: {x:7.2f} ms vs {y:7.2f} ms  ratio {x / y:.3f}; per batch "
-              f"{r['batch_ratio']:.3f} [{r['batch_min']:.3f}-{r['batch_max']:.3f}]")
+    ratios = print_ratio_rows(rows, 42)
     print(f"spans exported by the traced pair: {spans}")
-    return {label: x / y for label, x, y, _ in rows}
+    return ratios
 
 
 def step_bench(rounds: int = 5, steps: int = 2000) -> dict[str, float]:
