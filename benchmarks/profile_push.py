@@ -180,6 +180,17 @@ def py_spy() -> str:
     return spy
 
 
+def record(spy: str, targets: dict[Path, int], seconds: int, flags: Iterable[str] = ()) -> None:
+    """py-spy samples each process (pid) into its path for `seconds`, all at once (raw
+    collapsed stacks, 200 Hz, per thread); returns when every one is done."""
+    procs = [subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(seconds), "-f", "raw",
+                               "-o", str(path), "-r", "200", "--threads", *flags],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for path, pid in targets.items()]
+    for proc in procs:
+        proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=int, default=20)
@@ -231,12 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             paused_before, paused_pushed_before = after, pushed_after
             profiles = {n: out / f"{n}.collapsed.txt" for n in ("P", "D")}
             flags = ([] if args.blocking else ["--nonblocking"]) + (["--gil"] if args.gil else [])
-            procs = [subprocess.Popen([spy, "record", "-p", str(h[n].info["pid"]), "-d", str(args.seconds),
-                                       "-f", "raw", "-o", str(p), "-r", "200", "--threads", *flags],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                     for n, p in profiles.items()]
-            for proc in procs:
-                proc.wait()
+            record(spy, {p: h[n].info["pid"] for n, p in profiles.items()}, args.seconds, flags)
             paused_after, paused_pushed_after = clock.read_threads(), pushed[0]
             stop.set()
             driver.join(120)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import subprocess
 import tempfile
 import threading
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cpu_ab import ProcessClock
-from benchmarks.profile_push import own_costs, print_own, py_spy, summary
+from benchmarks.profile_push import own_costs, print_own, py_spy, record, summary
 from benchmarks.serve_cpu import Pair, _send
 from connector.testing.otlp import OtlpGrpcReceiver
 from demo.engines import session_pids
@@ -75,16 +74,9 @@ def _profile(variant: str, args: argparse.Namespace, model: Path, otlp: str, spy
         before, n0 = clock.read_threads(), done[0]
         time.sleep(args.seconds)
         after, n1 = clock.read_threads(), done[0]
-        profiles = {}
-        procs = []
-        for pid, label in sorted(processes.items(), key=lambda item: (item[1], item[0])):
-            path = out / f"{variant}-{label.replace(':', '-')}-{pid}.collapsed.txt"
-            profiles[(label, pid)] = path
-            procs.append(subprocess.Popen(
-                [spy, "record", "-p", str(pid), "-d", str(args.seconds), "-f", "raw", "-o", str(path),
-                 "-r", "200", "--threads"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for proc in procs:
-            proc.wait()
+        profiles = {(label, pid): out / f"{variant}-{label.replace(':', '-')}-{pid}.collapsed.txt"
+                    for pid, label in sorted(processes.items(), key=lambda item: (item[1], item[0]))}
+        record(spy, {path: pid for (_, pid), path in profiles.items()}, args.seconds)
         stop.set()
         driver.join(300)
     finally:
