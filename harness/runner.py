@@ -275,7 +275,8 @@ class PushHarness:
         Per request, the way vLLM's schedulers would: D allocates blocks and hands
         the worker the registration (and heartbeats P for it, as vLLM's D scheduler
         does: one per interval for all waiting requests); P finishes the prefill and
-        hands over the blocks. Both are sent together, so PUSH_REG and finished blocks meet in either order.
+        hands over the blocks. Both are sent together, so PUSH_REG and finished blocks
+        meet in either order.
         `trace_headers`, one (D headers, P headers) pair per request, are the W3C
         headers each leg's request arrived with (None: no trace context). `bulk`: all
         requests in one command per engine (one D step registers them all, one P step
