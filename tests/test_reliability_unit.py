@@ -141,6 +141,41 @@ def test_span_table_drops_and_ends_the_oldest_past_its_bound():
     assert errors.drain() == {TelemetryError.TABLE_FULL.value: 2}
 
 
+@pytest.mark.parametrize("variant", ["_xfer_blocks_named", "_xfer_blocks_passing"])
+def test_a_posted_write_is_counted_once_per_request_and_its_handle_passed_on(monkeypatch, variant):
+    """Both forms of the WRITE wrapper: vLLM's arguments reach vLLM unchanged, its handle
+    comes back, and a request's first posted WRITE (not one that posted nothing) counts
+    as a push started. The named form is the one used on the vLLMs CI tests."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+        NixlPushConnectorWorker,
+    )
+
+    from connector.glue.push import PushFlow
+    from connector.glue.worker import ObservedPushWorker
+
+    posted = []
+
+    def vllms(self, read_spec, dst_engine_id, request_id, remote_request_id,
+              local_xfer_side_handle, remote_xfer_side_handle):
+        posted.append((read_spec, dst_engine_id, request_id, remote_request_id,
+                       local_xfer_side_handle, remote_xfer_side_handle))
+        return None if read_spec == "nothing" else 100 + len(posted)
+
+    monkeypatch.setattr(NixlPushConnectorWorker, "_xfer_blocks", vllms)
+    w = object.__new__(ObservedPushWorker)
+    w._push_lock, w._pushing, w.xfer_stats = threading.Lock(), BoundedIdSet(), ObservedNixlStats()
+    write = getattr(ObservedPushWorker, variant)
+    rest = {"dst_engine_id": "d", "remote_request_id": "r", "local_xfer_side_handle": 1,
+            "remote_xfer_side_handle": 2}
+    assert write(w, read_spec="a", request_id="req", **rest) == 101
+    assert write(w, read_spec="b", request_id="req", **rest) == 102  # its second WRITE
+    assert write(w, read_spec="nothing", request_id="other", **rest) is None
+    assert posted[0] == ("a", "d", "req", "r", 1, 2)
+    assert w.xfer_stats.data[StatKey.PUSHES_STARTED] == [1]
+    assert "req" in w._pushing and "other" not in w._pushing
+    assert ObservedPushWorker._xfer_blocks is PushFlow._xfer_blocks_named
+
+
 def test_bounded_id_set_forgets_the_oldest_not_an_arbitrary_one():
     ids = BoundedIdSet(limit=3)
     for i in range(5):

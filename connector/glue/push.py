@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.glue.receive import count_blocks
+from connector.glue.receive import SEQUENCE_TYPES, count_blocks
 from connector.telemetry import errors
 from connector.telemetry.span_table import MAX_TRACKED_REQUESTS
 from connector.telemetry.tracing import (
@@ -58,9 +58,13 @@ logger = logging.getLogger(__name__)
 _PUSH_REG_PREFIX = b"PUSH_REG:"
 _PREFILL_REQUEST_LINK = {Attr.LINK_ROLE: LinkRole.PREFILL_REQUEST.value}  # (copied per link)
 _XFER_BLOCKS_SIG = inspect.signature(NixlPushConnectorWorker._xfer_blocks)
-# Where `request_id` sits among the positional arguments after self (the WRITE path
-# passes it positionally; binding the whole signature per WRITE cost ~5 us).
+# Where `request_id` sits among the positional arguments after self, for a caller that
+# passes it positionally (binding the whole signature per WRITE cost ~5 us).
 _XFER_REQ_ID_POS = list(_XFER_BLOCKS_SIG.parameters).index("request_id") - 1
+_XFER_BLOCKS_PARAMS = tuple(_XFER_BLOCKS_SIG.parameters)[1:]
+# vLLM 0.32's and 0.33's: with it, the wrapper names the arguments (see `_xfer_blocks`).
+_XFER_BLOCKS_EXPECTED = ("read_spec", "dst_engine_id", "request_id", "remote_request_id",
+                         "local_xfer_side_handle", "remote_xfer_side_handle")
 
 
 def parse_push_reg(notif: bytes) -> tuple[dict[str, Any] | None, tuple[PushRegRejection, str] | None]:
@@ -122,7 +126,7 @@ def _valid_block_ids(block_ids: Any) -> bool:
     if not block_ids:
         return True
     try:
-        msgspec.convert(block_ids, _GROUPED_IDS if isinstance(block_ids[0], list | tuple) else _FLAT_IDS)
+        msgspec.convert(block_ids, _GROUPED_IDS if isinstance(block_ids[0], SEQUENCE_TYPES) else _FLAT_IDS)
     except msgspec.ValidationError:
         return False
     return True
@@ -325,11 +329,21 @@ class PushFlow:
                                    "KV lease ended before the WRITE could start")
         return gone
 
-    def _xfer_blocks(self, *args: Any, **kwargs: Any) -> int | None:
+    # vLLM passes every argument by keyword: a `*args, **kwargs` pass-through rebuilds
+    # them as a dict and calls through the slow path (~0.6 vs ~0.2 us a WRITE), so with
+    # the signature we know the wrapper names them.
+    def _xfer_blocks_named(self, read_spec: Any, dst_engine_id: str, request_id: str,
+                           remote_request_id: str, local_xfer_side_handle: int,
+                           remote_xfer_side_handle: int) -> int | None:
+        handle = super()._xfer_blocks(read_spec, dst_engine_id, request_id, remote_request_id,
+                                      local_xfer_side_handle, remote_xfer_side_handle)
+        if handle is not None:
+            self._count_write_posted(request_id)
+        return handle
+
+    def _xfer_blocks_passing(self, *args: Any, **kwargs: Any) -> int | None:
+        """For another vLLM's signature: whatever arrives is passed on."""
         handle = super()._xfer_blocks(*args, **kwargs)
-        # Count here, before the caller publishes the handle: once published, the
-        # main thread may see the WRITE done at any moment. Nothing here may raise:
-        # the handle must reach the caller or the request waits for its lease.
         if handle is not None:
             try:
                 if "request_id" in kwargs:
@@ -338,14 +352,29 @@ class PushFlow:
                     req_id = args[_XFER_REQ_ID_POS]
                 else:
                     req_id = _XFER_BLOCKS_SIG.bind(self, *args, **kwargs).arguments["request_id"]
-                # (`_count_push_once`, inlined: this runs for every WRITE.)
-                with self._push_lock:
-                    first = self._pushing.add(req_id)
-                if first:
-                    self.xfer_stats.record_push(StatKey.PUSHES_STARTED)
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
+            else:
+                self._count_write_posted(req_id)
         return handle
+
+    _xfer_blocks = (_xfer_blocks_named if _XFER_BLOCKS_PARAMS == _XFER_BLOCKS_EXPECTED
+                    else _xfer_blocks_passing)
+
+    def _count_write_posted(self, req_id: str) -> None:
+        """A WRITE of `req_id` was posted: the push has started (counted once a request).
+
+        Called before `_xfer_blocks`' caller publishes the handle: once published, the
+        main thread may see the WRITE done at any moment. Never raises: the handle must
+        reach the caller or the request waits for its lease."""
+        try:
+            # (`_count_push_once`, inlined: this runs for every WRITE.)
+            with self._push_lock:
+                first = self._pushing.add(req_id)
+            if first:
+                self.xfer_stats.record_push(StatKey.PUSHES_STARTED)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
 
     def _count_push_once(self, seen: Any, req_id: str, key: str) -> None:
         """Count a push event the first time `req_id` enters `seen` (a request's several
