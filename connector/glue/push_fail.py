@@ -43,6 +43,7 @@ from connector.vocabulary import (
 )
 
 logger = logging.getLogger(__name__)
+_SEQUENCES = (list, tuple)  # (not `list | tuple`: a union object built per call)
 
 
 def encode_push_fail(request_id: str, reason: PushFailReason) -> bytes:
@@ -64,7 +65,7 @@ def decode_push_fail(notif: bytes) -> tuple[str, PushFailReason] | None:
 
 def wants_push_fail(reg: dict[str, Any]) -> bool:
     caps = reg.get(PUSH_REG_CAPS_KEY)
-    return isinstance(caps, list | tuple) and CAP_PUSH_FAIL in caps
+    return isinstance(caps, _SEQUENCES) and CAP_PUSH_FAIL in caps
 
 
 class NotifInbox(queue.Queue):

@@ -35,6 +35,9 @@ from connector.vocabulary import (
 )
 
 logger = logging.getLogger(__name__)
+# (A tuple, not `list | tuple`: that builds a union object at every call.)
+SEQUENCE_TYPES = (list, tuple)
+_CAPS = (CAP_PUSH_FAIL,)  # (read only: msgpack sends it as a list)
 
 
 class ReceiveFlow:
@@ -63,13 +66,15 @@ class ReceiveFlow:
                     Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
 
     def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
-        # Tell P we understand PUSH_FAIL (push_fail.py); a stock P ignores the key.
+        # Tell P we understand PUSH_FAIL (push_fail.py); a stock P ignores the key. The
+        # copy is ours from here on (vLLM re-queues this very dict after a handshake, the
+        # key already in it), so the register span's context goes into it in place.
         if PUSH_REG_CAPS_KEY not in reg_data:
-            reg_data = {**reg_data, PUSH_REG_CAPS_KEY: [CAP_PUSH_FAIL]}
+            reg_data = {**reg_data, PUSH_REG_CAPS_KEY: _CAPS}
         span = None
         if self._spans.enabled:
             try:
-                span, reg_data = self._open_register_span(req_id, reg_data)
+                span = self._open_register_span(req_id, reg_data)
             except Exception as exc:
                 errors.note(TelemetryError.SPAN, exc)
         # A handshake this starts is tagged PUSH_REG and parented on the register span
@@ -79,10 +84,9 @@ class ReceiveFlow:
         else:
             self._in_scope(Trigger.PUSH_REG, span, super()._send_registration_to_p, req_id, reg_data)
 
-    def _open_register_span(self, req_id: str,
-                            reg_data: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """The register span (reused when re-queued after a handshake) and the PUSH_REG
-        payload with its trace context added."""
+    def _open_register_span(self, req_id: str, reg_data: dict[str, Any]) -> Any:
+        """The register span (reused when re-queued after a handshake); its trace context
+        is added to the PUSH_REG payload `reg_data` (our copy, see above)."""
         span = self._register_spans.get(req_id)
         if span is None:
             port = reg_data.get("remote_port", 0)
@@ -103,9 +107,9 @@ class ReceiveFlow:
             if carrier:
                 # P parents its write on our register span; the request's own context
                 # (already our receive span's parent) need not travel.
-                reg_data = {k: v for k, v in reg_data.items() if k != REGISTRATION_TRACE_KEY}
+                reg_data.pop(REGISTRATION_TRACE_KEY, None)
                 reg_data[PUSH_REG_TRACE_KEY] = carrier
-        return span, reg_data
+        return span
 
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
         # (No lock: one dict lookup and a len() are atomic under the GIL. `dict.get`:
@@ -139,6 +143,6 @@ def count_blocks(block_ids: Any) -> int:
     if not block_ids:
         return 0
     first = block_ids[0]
-    if isinstance(first, list | tuple):
+    if isinstance(first, SEQUENCE_TYPES):
         return sum(map(len, block_ids))
     return len(block_ids)

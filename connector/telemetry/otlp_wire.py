@@ -28,6 +28,7 @@ _D = struct.Struct("<d").pack  # double
 _SMALL = [bytes((i,)) for i in range(128)]
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _MASK64 = (1 << 64) - 1
+_SCALARS = (str, bool, int, float)  # (a tuple: `str | bool | ...` builds a union per call)
 
 # Span flags (trace.proto SpanFlags): the "is remote" bit is known, and set when it is.
 _HAS_IS_REMOTE = 0x100
@@ -103,7 +104,7 @@ def _any_value(value: Any) -> bytes:
 
 def _key_value(key: str, value: Any) -> bytes:
     """common.proto KeyValue payload."""
-    cacheable = isinstance(value, str | bool | int | float) and (
+    cacheable = isinstance(value, _SCALARS) and (
         not isinstance(value, str) or len(value) <= 64)
     if cacheable:
         # (A float by its bytes: -0.0 == 0.0 but encodes differently.)
