@@ -210,6 +210,29 @@ def test_root_decisions_of_the_built_in_samplers_match_the_sdks_without_asking(s
             "some": recorded[:5] == [True, True, True, False, False]}[kept]
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_span_contexts_built_directly_equal_the_constructors(monkeypatch, direct):
+    """`new_span_context` (the per-span paths) against `SpanContext(...)`, field for
+    field, valid ids and invalid ones; with the direct build (the installed API's
+    layout, checked at import) and with the constructor it falls back to."""
+    from opentelemetry.trace.span import DEFAULT_TRACE_STATE, TraceState
+
+    from connector.telemetry import lean_span
+
+    assert lean_span._DIRECT  # the installed API has the layout the direct build needs
+    monkeypatch.setattr(lean_span, "_DIRECT", direct)
+    state = TraceState([("vendor", "x")])
+    for trace_id, span_id, remote, flags, ts in itertools.product(
+            [0, 1, (1 << 128) - 1, 1 << 128], [0, 7, (1 << 64) - 1, 1 << 64], [True, False],
+            [TraceFlags(0), TraceFlags(1), TraceFlags(3)], [DEFAULT_TRACE_STATE, state]):
+        got = lean_span.new_span_context(trace_id, span_id, remote, flags, ts)
+        want = SpanContext(trace_id, span_id, is_remote=remote, trace_flags=flags, trace_state=ts)
+        assert type(got) is SpanContext and tuple(got) == tuple(want)
+        assert (got.trace_id, got.span_id, got.is_remote, got.trace_flags, got.trace_state,
+                got.is_valid) == (want.trace_id, want.span_id, want.is_remote, want.trace_flags,
+                                  want.trace_state, want.is_valid)
+
+
 @pytest.mark.parametrize("name", ["parentbased_always_on", "parentbased_always_off",
                                   "parentbased_traceidratio", "always_on", "always_off", "traceidratio"])
 def test_every_sampler_the_environment_names_takes_the_fast_paths(monkeypatch, name):

@@ -32,6 +32,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import Event, SpanLimits
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE, TraceState
 
 LEAN_SPANS_ENV = "NIXL_PUSH_OBSERVED_LEAN_SPANS"
 
@@ -42,7 +43,42 @@ _UNSET = Status(StatusCode.UNSET)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C level 2 flag, newer SDKs only
+_SAMPLED_RANDOM, _NOT_SAMPLED_RANDOM = TraceFlags(_SAMPLED | _RANDOM), TraceFlags(_RANDOM)
 _TRACE_ID_LIMIT = (1 << 64) - 1  # the part of a trace id the SDK's ratio sampler reads
+_TRACE_ID_MAX, _SPAN_ID_MAX = (1 << 128) - 1, (1 << 64) - 1
+_tuple_new = tuple.__new__
+
+
+def _direct_build_matches() -> bool:
+    """Whether the installed `SpanContext` is the tuple its constructor is known to make:
+    (trace id, span id, is remote, flags, trace state, is valid). Checked once, against
+    the constructor itself."""
+    try:
+        flags = TraceFlags(TraceFlags.SAMPLED)
+        want = SpanContext(3, 4, is_remote=True, trace_flags=flags, trace_state=DEFAULT_TRACE_STATE)
+        got = _tuple_new(SpanContext, (3, 4, True, flags, DEFAULT_TRACE_STATE, True))
+        return (tuple(got) == tuple(want) and got == want
+                and (got.trace_id, got.span_id, got.is_remote, got.trace_flags, got.is_valid)
+                == (3, 4, True, flags, True) and got.trace_state is want.trace_state)
+    except Exception:
+        return False
+
+
+_DIRECT = _direct_build_matches()
+
+
+def new_span_context(trace_id: int, span_id: int, is_remote: bool, flags: TraceFlags,
+                     state: TraceState = DEFAULT_TRACE_STATE) -> SpanContext:
+    """`SpanContext(...)` for the per-span paths (`state` never None).
+
+    The constructor only fills defaults, computes `is_valid` and builds its tuple; built
+    directly it costs 0.17 instead of 0.48 us (three to six per traced request). Done
+    only when the installed API's layout is the one checked at import, else the
+    constructor."""
+    if _DIRECT:
+        return _tuple_new(SpanContext, (trace_id, span_id, is_remote, flags, state,
+                                        0 < trace_id <= _TRACE_ID_MAX and 0 < span_id <= _SPAN_ID_MAX))
+    return SpanContext(trace_id, span_id, is_remote=is_remote, trace_flags=flags, trace_state=state)
 
 
 def lean_spans_wanted() -> bool:
@@ -114,11 +150,11 @@ class LeanTracer:
                 # What the sampler would answer for a root, without asking it (see
                 # `_root_bound`): a dropped request's root then costs its ids only.
                 sampled = (trace_id & _TRACE_ID_LIMIT) < bound
-                flags = _SAMPLED if sampled else _NOT_SAMPLED
                 if random_id and _RANDOM:
-                    flags = TraceFlags(flags | _RANDOM)
-                span_context = SpanContext(trace_id, self._ids.generate_span_id(), is_remote=False,
-                                           trace_flags=flags)
+                    flags = _SAMPLED_RANDOM if sampled else _NOT_SAMPLED_RANDOM
+                else:
+                    flags = _SAMPLED if sampled else _NOT_SAMPLED
+                span_context = new_span_context(trace_id, self._ids.generate_span_id(), False, flags)
                 if not sampled:
                     return trace.NonRecordingSpan(span_context)
                 return LeanSpan(self, name, span_context, None, kind,
@@ -129,9 +165,9 @@ class LeanTracer:
             if self._follows_sampled_parents and parent.trace_flags.sampled:
                 # What the sampler would answer, without asking it: recorded and
                 # sampled, with the parent's trace state.
-                flags = TraceFlags(_SAMPLED | _RANDOM) if random_id and _RANDOM else _SAMPLED
-                span_context = SpanContext(trace_id, self._ids.generate_span_id(), is_remote=False,
-                                           trace_flags=flags, trace_state=parent.trace_state)
+                flags = _SAMPLED_RANDOM if random_id and _RANDOM else _SAMPLED
+                span_context = new_span_context(trace_id, self._ids.generate_span_id(), False, flags,
+                                                parent.trace_state)
                 return LeanSpan(self, name, span_context, parent, kind,
                                 attributes if factory is None else factory(), links, start_time)
         result = self._sampler.should_sample(context, trace_id, name, kind, attributes, links)

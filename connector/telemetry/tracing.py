@@ -26,7 +26,7 @@ from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link, SpanKin
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector.telemetry import errors
-from connector.telemetry.lean_span import LeanTracer, lean_spans_wanted
+from connector.telemetry.lean_span import LeanTracer, lean_spans_wanted, new_span_context
 from connector.telemetry.record import HandshakeRecord
 from connector.vocabulary import (
     MAX_PEER_STRING,
@@ -208,7 +208,7 @@ def _parse_traceparent(value: str) -> Any:
     flags = _FLAGS.get(flags_hex)
     if flags is None:
         flags = trace.TraceFlags(int(flags_hex, 16))
-    return trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=flags)
+    return new_span_context(trace_id, span_id, True, flags)
 
 
 # The flags nearly every traceparent carries (dropped, sampled), made once.
