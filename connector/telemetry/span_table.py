@@ -37,11 +37,15 @@ class SpanTable:
     def put(self, req_id: str, span: Any) -> None:
         if span is None:
             return
+        spans = self._spans
         with self._lock:
-            replaced = self._spans.pop(req_id, None)
-            self._spans[req_id] = span
-            dropped = [self._spans.popitem(last=False)[1]
-                       for _ in range(max(0, len(self._spans) - self._limit))]
+            replaced = spans.pop(req_id, None)
+            spans[req_id] = span
+            # (The comprehension only past the bound: it is a call of its own.)
+            dropped = ([spans.popitem(last=False)[1] for _ in range(len(spans) - self._limit)]
+                       if len(spans) > self._limit else ())
+        if replaced is None and not dropped:  # the usual put
+            return
         if not self._holds_spans:
             if dropped:
                 errors.note(TelemetryError.TABLE_FULL, "request trace contexts", exc_info=False)
