@@ -370,7 +370,12 @@ def test_the_count_limit_applies_without_a_length_limit(monkeypatch):
         span = tracer.start_span("s", attributes={"a": "a long value, not cut", "b": 1}, start_time=1)
         span.set_attribute("b", 2)  # an existing key: nothing dropped
         span.set_attributes({"c": 3})
+        span.set_attribute("d", 4)  # a new key at the limit: the oldest goes
         span.end(end_time=2)
-    sdk, lean = exporter.get_finished_spans()
-    assert dict(lean.attributes) == dict(sdk.attributes) == {"b": 2, "c": 3}
-    assert lean.dropped_attributes == sdk.dropped_attributes == 1
+        over = tracer.start_span("t", attributes={"x": 1, "y": 2, "z": 3}, start_time=1)
+        over.end(end_time=2)
+    sdk, sdk_over, lean, lean_over = exporter.get_finished_spans()
+    assert dict(lean.attributes) == dict(sdk.attributes) == {"c": 3, "d": 4}
+    assert lean.dropped_attributes == sdk.dropped_attributes == 2
+    assert dict(lean_over.attributes) == dict(sdk_over.attributes) == {"y": 2, "z": 3}
+    assert lean_over.dropped_attributes == sdk_over.dropped_attributes == 1

@@ -272,12 +272,17 @@ class LeanSpan(trace.Span):
         self.kind = kind
         self.start_time = start_time if start_time is not None else time.time_ns()
         self.end_time: int | None = None
-        self._attributes: dict[str, Any] = {}
         self.dropped_attributes = 0
         self._events: list[Event] = []
         self._links = tuple(links)
         self.status = _UNSET
-        if attributes:
+        limit = tracer.max_attributes
+        if not attributes:
+            self._attributes: dict[str, Any] = {}
+        elif tracer.max_value_length is None and (limit is None or len(attributes) <= limit):
+            self._attributes = dict(attributes)  # (the usual case, as in `_put`)
+        else:
+            self._attributes = {}
             self._put(attributes)
 
     # -- what exporters read (ReadableSpan's properties) ---------------------
@@ -331,7 +336,16 @@ class LeanSpan(trace.Span):
                 self._put(attributes)
 
     def set_attribute(self, key: str, value: Any) -> None:
-        self.set_attributes({key: value})
+        tracer, attrs = self._tracer, self._attributes
+        with _LOCK:
+            if self.end_time is not None:
+                return
+            limit = tracer.max_attributes
+            if tracer.max_value_length is None and (
+                    limit is None or key in attrs or len(attrs) < limit):
+                attrs[key] = value  # (the usual case, as in `_put`)
+            else:
+                self._put({key: value})
 
     def add_event(self, name: str, attributes: Mapping[str, Any] | None = None,
                   timestamp: int | None = None) -> None:
