@@ -154,6 +154,55 @@ def test_children_of_sampled_parents_skip_the_default_sampler_and_export_the_sam
     assert not asked
 
 
+@pytest.mark.parametrize("delegate", [
+    sampling.ParentBased(sampling.ALWAYS_ON),
+    sampling.ParentBased(sampling.ALWAYS_ON, remote_parent_sampled=sampling.ALWAYS_OFF),
+    sampling.TraceIdRatioBased(0.5),
+])
+def test_spans_under_a_parent_span_match_the_sdks_and_the_sampler_sees_that_parent(delegate):
+    """Our push path hands `SpanEmitter.start` parent spans (a remote one from a PUSH_REG,
+    the receive span), not contexts: the lean tracer starts under them without building
+    an OTel context, except for a sampler it must ask. Same span contexts, same finished
+    spans and the same parent seen by the sampler as with the SDK's tracer."""
+    from connector.telemetry.tracing import SpanEmitter
+
+    provider, processor, exporter = _pair()
+    seen: list = []
+
+    class Spy(sampling.Sampler):
+        def should_sample(self, parent_context, *args, **kwargs):
+            seen.append(trace.get_current_span(parent_context))
+            return delegate.should_sample(parent_context, *args, **kwargs)
+
+        def get_description(self) -> str:
+            return "Spy"
+
+    provider.sampler = Spy()
+    results = []
+    for lean in (False, True):
+        provider.id_generator._next = itertools.count(1)
+        exporter.clear()
+        seen.clear()
+        emitter = SpanEmitter(LeanTracer(provider, processor, TRACER_NAME) if lean
+                              else provider.get_tracer(TRACER_NAME))
+        spans = []
+        for _ in range(4):
+            receive = emitter.start("nixl.push.receive", attributes=lambda: {"n": 1})
+            register = emitter.start("nixl.push.register", parent=receive, attributes={"a": "b"})
+            write = emitter.start("nixl.push.write", parent=NonRecordingSpan(REMOTE),
+                                  links=[Link(REMOTE, {})], attributes=lambda: {"x": 1})
+            for span in (register, receive, write):
+                SpanEmitter.end(span)
+            spans += [receive, register, write]
+        finished = [(f.name, f.context, f.parent, f.kind, dict(f.attributes),
+                     [(x.context, dict(x.attributes)) for x in f.links], f.status.status_code)
+                    for f in exporter.get_finished_spans()]  # (their times differ)
+        results.append(([s.get_span_context() for s in spans], finished,
+                        [s.get_span_context() for s in seen]))
+    assert results[0] == results[1]
+    assert results[1][2]  # the spy was asked
+
+
 class ListedIds(IdGenerator):
     """Trace ids from a list (span ids from a counter)."""
 

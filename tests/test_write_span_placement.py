@@ -33,7 +33,8 @@ def placement(reg_extra: dict, p_context: tuple[str, str] | None):
     assert worker._request_contexts.get("p-req") is None  # consumed once
     ids = None
     if parent is not None:
-        ctx = trace.get_current_span(parent).get_span_context()
+        span = parent if isinstance(parent, trace.Span) else trace.get_current_span(parent)
+        ctx = span.get_span_context()
         ids = (format(ctx.trace_id, "032x"), format(ctx.span_id, "016x"))
     link_ids = [(format(x.context.trace_id, "032x"), format(x.context.span_id, "016x"),
                  dict(x.attributes)) for x in links or []]

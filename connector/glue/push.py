@@ -34,7 +34,7 @@ from connector.telemetry.span_table import MAX_TRACKED_REQUESTS
 from connector.telemetry.tracing import (
     SpanEmitter,
     context_link,
-    extract_context,
+    extract_span,
     peer_str,
 )
 from connector.vocabulary import (
@@ -135,8 +135,8 @@ def _valid_block_ids(block_ids: Any) -> bool:
 def _decoder_context(reg: dict[str, Any]) -> Any:
     """The trace context D's PUSH_REG carries: its register span's, else the request's
     own context from D's scheduler; None without either."""
-    return (extract_context(reg.get(PUSH_REG_TRACE_KEY))
-            or extract_context(reg.get(REGISTRATION_TRACE_KEY)))
+    return (extract_span(reg.get(PUSH_REG_TRACE_KEY))
+            or extract_span(reg.get(REGISTRATION_TRACE_KEY)))
 
 
 class PushFlow:
@@ -163,7 +163,7 @@ class PushFlow:
         request context; else a root. Link: P's own request context, when it is
         not already the parent.
         """
-        own = extract_context(self._request_contexts.pop(request_id))
+        own = extract_span(self._request_contexts.pop(request_id))
         parent = _decoder_context(registration_data)
         if parent is None:
             return own, None

@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanKind
 from connector.telemetry import errors
 from connector.telemetry.tracing import (
     SpanEmitter,
-    extract_context,
+    extract_span,
     inject_context,
     peer_str,
 )
@@ -57,7 +57,7 @@ class ReceiveFlow:
         for req_id, reg in registrations.items():
             self._receive_spans.put(req_id, self._spans.start(
                 # The request's own trace (from our scheduler) or, without one, a root.
-                SPAN_PUSH_RECEIVE, parent=extract_context(reg.get(REGISTRATION_TRACE_KEY)),
+                SPAN_PUSH_RECEIVE, parent=extract_span(reg.get(REGISTRATION_TRACE_KEY)),
                 kind=SpanKind.CONSUMER,
                 attributes=lambda req_id=req_id, reg=reg: {  # only for a span that may be kept
                     Attr.REQUEST_ID: req_id,

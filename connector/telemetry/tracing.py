@@ -238,8 +238,10 @@ def inject_context(span: Any) -> dict[str, str]:
     return carrier
 
 
-def extract_context(carrier: Any) -> Any:
-    """Context from a carrier dict; None for a missing or malformed carrier."""
+def extract_span(carrier: Any) -> Any:
+    """The remote span a carrier dict names, as a non-recording span (a parent or a link
+    for ours, without the OTel context `extract_context` builds around it); None for a
+    missing or malformed carrier."""
     if not carrier or (type(carrier) is not dict and not isinstance(carrier, Mapping)):
         return None  # (a plain dict, what msgpack gives, skips the ABC check)
     if len(carrier) > 8:
@@ -251,7 +253,7 @@ def extract_context(carrier: Any) -> Any:
             if type(value) is str and len(value) <= 64:
                 span_context = _parse_traceparent(value)
                 if span_context is not None:
-                    return trace.set_span_in_context(trace.NonRecordingSpan(span_context))
+                    return trace.NonRecordingSpan(span_context)
         # A peer controls this: keep only the W3C keys, at their real sizes.
         clean = {k: v for k, v in carrier.items()
                  if k in ("traceparent", "tracestate") and isinstance(v, str)
@@ -262,14 +264,20 @@ def extract_context(carrier: Any) -> Any:
         if "tracestate" not in clean:
             span_context = _parse_traceparent(clean["traceparent"])
             if span_context is not None:  # the common case, without the propagator's regex
-                return trace.set_span_in_context(trace.NonRecordingSpan(span_context))
-        ctx = _PROPAGATOR.extract(clean)
-        if trace.get_current_span(ctx).get_span_context().is_valid:
-            return ctx
+                return trace.NonRecordingSpan(span_context)
+        span = trace.get_current_span(_PROPAGATOR.extract(clean))
+        if span.get_span_context().is_valid:
+            return span
         errors.note(TelemetryError.TRACE_CONTEXT, "invalid traceparent", exc_info=False)
     except Exception as exc:
         errors.note(TelemetryError.TRACE_CONTEXT, exc, exc_info=False)
     return None
+
+
+def extract_context(carrier: Any) -> Any:
+    """Context from a carrier dict; None for a missing or malformed carrier."""
+    span = extract_span(carrier)
+    return None if span is None else trace.set_span_in_context(span)
 
 
 def trace_carrier(headers: Any) -> dict[str, str] | None:
@@ -304,11 +312,12 @@ def span_ids(span: Any) -> tuple[str, str] | None:
 
 
 def context_link(ctx: Any, attributes: Mapping[str, Any] | None = None) -> Link | None:
-    """A span link to the span a context (from `extract_context`) carries, or None."""
+    """A span link to a span (from `extract_span`) or to the one a context carries, or None."""
     if ctx is None:
         return None
     try:
-        span_context = trace.get_current_span(ctx).get_span_context()
+        span = trace.get_current_span(ctx) if isinstance(ctx, otel_context.Context) else ctx
+        span_context = span.get_span_context()
         if span_context.is_valid:
             return Link(span_context, dict(attributes or {}))
     except Exception as exc:
@@ -329,6 +338,8 @@ class SpanEmitter:
         self.tracer = tracer
         # A plain attribute, not a property: the push path tests it per request and step.
         self.enabled = tracer is not None
+        # Ours takes a parent span as it is (no OTel context built per span).
+        self._under = tracer.start_under if isinstance(tracer, LeanTracer) else None
 
     def start(self, name: str, parent: Any = None,
               attributes: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
@@ -342,7 +353,10 @@ class SpanEmitter:
         if self.tracer is None:
             return None
         try:
+            under = self._under
             if parent is None:
+                if under is not None:
+                    return under(name, None, kind, attributes, links)
                 parent = otel_context.Context()
             else:
                 is_context = isinstance(parent, otel_context.Context)
@@ -352,6 +366,8 @@ class SpanEmitter:
                     # sampler decides per trace or follows the parent): skip the SDK.
                     return trace.NonRecordingSpan(span_context)
                 if not is_context:
+                    if under is not None:
+                        return under(name, parent, kind, attributes, links)
                     parent = trace.set_span_in_context(parent)
             if callable(attributes):
                 if getattr(self.tracer, "decides_before_attributes", False):
