@@ -36,7 +36,8 @@ def test_span_cost_benchmark_runs_both_tracers_through_the_batch_processor():
     from benchmarks import span_cost
 
     result = span_cost.span_cost_bench(repeats=1, n=50)  # asserts every span reached the exporter
-    assert set(result) == {"sdk_make_us", "lean_make_us", "sdk_encode_us", "lean_encode_us"}
+    assert set(result) == {"sdk_make_us", "lean_make_us", "sdk_encode_us", "lean_encode_us",
+                           "sdk_request_us", "lean_request_us"}
     assert all(v > 0 for v in result.values())
 
 
