@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
+from connector.glue.receive import SEQUENCE_TYPES
 from connector.telemetry.span_table import BoundedIdSet
 from connector.telemetry.tracing import peer_str
 from connector.vocabulary import (
@@ -43,7 +44,6 @@ from connector.vocabulary import (
 )
 
 logger = logging.getLogger(__name__)
-_SEQUENCES = (list, tuple)  # (not `list | tuple`: a union object built per call)
 
 
 def encode_push_fail(request_id: str, reason: PushFailReason) -> bytes:
@@ -65,7 +65,7 @@ def decode_push_fail(notif: bytes) -> tuple[str, PushFailReason] | None:
 
 def wants_push_fail(reg: dict[str, Any]) -> bool:
     caps = reg.get(PUSH_REG_CAPS_KEY)
-    return isinstance(caps, _SEQUENCES) and CAP_PUSH_FAIL in caps
+    return isinstance(caps, SEQUENCE_TYPES) and CAP_PUSH_FAIL in caps
 
 
 class NotifInbox(queue.Queue):
