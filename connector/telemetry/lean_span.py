@@ -22,6 +22,7 @@ span processor (checked per span): those get the SDK's own spans, exactly as bef
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import traceback
@@ -100,6 +101,10 @@ class LeanTracer:
         limits = SpanLimits()  # reads OTEL_SPAN_ATTRIBUTE_* / OTEL_ATTRIBUTE_* as the SDK does
         self.max_attributes = limits.max_span_attributes
         self.max_value_length = limits.max_span_attribute_length
+        # How many attributes a span holds before a limit needs looking at (-1: a length
+        # limit applies to every value); below it they are stored as they come.
+        self.free_attributes = -1 if self.max_value_length is not None else (
+            sys.maxsize if self.max_attributes is None else self.max_attributes)
         self._sdk_tracer = provider.get_tracer(name, version)
         self._checked: Any = None  # the provider's processor tuple last found to be ours alone
         self._follows_sampled_parents = _keeps_children_of_sampled_parents(self._sampler)
@@ -308,10 +313,9 @@ class LeanSpan(trace.Span):
         self._events: list[Event] = []
         self._links = tuple(links)
         self.status = _UNSET
-        limit = tracer.max_attributes
         if not attributes:
             self._attributes: dict[str, Any] = {}
-        elif tracer.max_value_length is None and (limit is None or len(attributes) <= limit):
+        elif len(attributes) <= tracer.free_attributes:
             self._attributes = dict(attributes)  # (the usual case, as in `_put`)
         else:
             self._attributes = {}
@@ -347,11 +351,11 @@ class LeanSpan(trace.Span):
 
     def _put(self, attributes: Mapping[str, Any]) -> None:
         """Store attributes under the SDK's limits (count: the oldest is dropped; string length)."""
-        limit, length = self._tracer.max_attributes, self._tracer.max_value_length
         attrs = self._attributes
-        if length is None and (limit is None or len(attrs) + len(attributes) <= limit):
+        if len(attrs) + len(attributes) <= self._tracer.free_attributes:
             attrs.update(attributes)  # (the usual case: under the count limit, no length limit)
             return
+        limit, length = self._tracer.max_attributes, self._tracer.max_value_length
         for key, value in attributes.items():
             if length is not None and isinstance(value, str) and len(value) > length:
                 value = value[:length]
@@ -368,14 +372,13 @@ class LeanSpan(trace.Span):
                 self._put(attributes)
 
     def set_attribute(self, key: str, value: Any) -> None:
-        tracer, attrs = self._tracer, self._attributes
+        attrs = self._attributes
         with _LOCK:
             if self.end_time is not None:
                 return
-            limit = tracer.max_attributes
-            if tracer.max_value_length is None and (
-                    limit is None or key in attrs or len(attrs) < limit):
-                attrs[key] = value  # (the usual case, as in `_put`)
+            # (The usual case, as in `_put`; a key already there adds no attribute.)
+            if len(attrs) - (key in attrs) < self._tracer.free_attributes:
+                attrs[key] = value
             else:
                 self._put({key: value})
 
