@@ -337,8 +337,11 @@ class PushFlow:
                            remote_xfer_side_handle: int) -> int | None:
         handle = super()._xfer_blocks(read_spec, dst_engine_id, request_id, remote_request_id,
                                       local_xfer_side_handle, remote_xfer_side_handle)
+        # Counted here, before the caller publishes the handle: once published, the main
+        # thread may see the WRITE done at any moment. Never raises (the handle must reach
+        # the caller, or the request waits for its lease).
         if handle is not None:
-            self._count_write_posted(request_id)
+            self._count_push_once(self._pushing, request_id, StatKey.PUSHES_STARTED)
         return handle
 
     def _xfer_blocks_passing(self, *args: Any, **kwargs: Any) -> int | None:
@@ -355,26 +358,11 @@ class PushFlow:
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
             else:
-                self._count_write_posted(req_id)
+                self._count_push_once(self._pushing, req_id, StatKey.PUSHES_STARTED)
         return handle
 
     _xfer_blocks = (_xfer_blocks_named if _XFER_BLOCKS_PARAMS == _XFER_BLOCKS_EXPECTED
                     else _xfer_blocks_passing)
-
-    def _count_write_posted(self, req_id: str) -> None:
-        """A WRITE of `req_id` was posted: the push has started (counted once a request).
-
-        Called before `_xfer_blocks`' caller publishes the handle: once published, the
-        main thread may see the WRITE done at any moment. Never raises: the handle must
-        reach the caller or the request waits for its lease."""
-        try:
-            # (`_count_push_once`, inlined: this runs for every WRITE.)
-            with self._push_lock:
-                first = self._pushing.add(req_id)
-            if first:
-                self.xfer_stats.record_push(StatKey.PUSHES_STARTED)
-        except Exception as exc:
-            errors.note(TelemetryError.STATS, exc)
 
     def _count_push_once(self, seen: Any, req_id: str, key: str) -> None:
         """Count a push event the first time `req_id` enters `seen` (a request's several
