@@ -22,6 +22,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind
@@ -36,7 +37,7 @@ from connector.telemetry.tracing import (
     PrivateRandomIdGenerator,
     SpanEmitter,
     context_link,
-    extract_context,
+    extract_span,
 )
 from connector.vocabulary import REGISTRATION_TRACE_KEY, SPAN_PUSH_WRITE, TRACER_NAME, Attr
 
@@ -52,8 +53,9 @@ class _Keep(SpanExporter):
 
 def _make(tracer: Any, n: int) -> float:
     """Microseconds per write span on the recording thread."""
-    parent = extract_context({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
-    own = extract_context({"traceparent": "00-1bf7651916cd43dd8448eb211c80319c-c7ad6b7169203331-01"})
+    parent = trace.set_span_in_context(
+        extract_span({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}))
+    own = extract_span({"traceparent": "00-1bf7651916cd43dd8448eb211c80319c-c7ad6b7169203331-01"})
     t0 = time.perf_counter()
     for i in range(n):
         rid = f"cmpl-{i:08x}-0"

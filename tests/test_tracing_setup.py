@@ -9,7 +9,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 
 from connector.telemetry import tracing
 from connector.telemetry.record import HandshakeRecord
-from connector.telemetry.tracing import SpanEmitter, extract_context, inject_context, make_span_exporter
+from connector.telemetry.tracing import SpanEmitter, extract_span, inject_context, make_span_exporter
 from connector.vocabulary import Direction, Trigger
 
 
@@ -65,10 +65,10 @@ def test_disabled_emitter_is_a_no_op():
 
 
 def test_bad_trace_carriers_are_ignored():
-    assert extract_context(None) is None
-    assert extract_context("traceparent") is None
-    assert extract_context({"traceparent": "garbage"}) is None
-    assert extract_context({}) is None
+    assert extract_span(None) is None
+    assert extract_span("traceparent") is None
+    assert extract_span({"traceparent": "garbage"}) is None
+    assert extract_span({}) is None
 
 
 class ExplodingTracer:
@@ -129,7 +129,7 @@ def test_a_dropped_request_travels_as_dropped_and_its_children_skip_the_sdk():
     carrier = inject_context(register)
     assert _sampled_flag(carrier) == 0  # "not sampled" travels to P
 
-    write = p.start("nixl.push.write", parent=extract_context(carrier))
+    write = p.start("nixl.push.write", parent=extract_span(carrier))
     assert not write.is_recording() and p_tracer.calls == 0  # P follows D's decision
     assert write.get_span_context().trace_id == receive.get_span_context().trace_id
     SpanEmitter.end(write)
@@ -146,7 +146,7 @@ def test_a_sampled_request_is_recorded_on_both_sides():
     register = d.start("nixl.push.register", parent=receive)
     carrier = inject_context(register)
     assert _sampled_flag(carrier) == 1
-    write = p.start("nixl.push.write", parent=extract_context(carrier))
+    write = p.start("nixl.push.write", parent=extract_span(carrier))
     assert write.is_recording()  # parent-based: D's decision wins
     for span in (write, register, receive):
         SpanEmitter.end(span)
@@ -169,13 +169,13 @@ def test_a_sampled_request_is_recorded_on_both_sides():
 def test_our_traceparent_reading_agrees_with_the_sdk_propagator(traceparent):
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    ours = extract_context({"traceparent": traceparent})
+    ours = extract_span({"traceparent": traceparent})
     sdk = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
     sdk_context = trace.get_current_span(sdk).get_span_context()
     if not sdk_context.is_valid:
         assert ours is None
         return
-    got = trace.get_current_span(ours).get_span_context()
+    got = ours.get_span_context()
     assert (got.trace_id, got.span_id, got.trace_flags, got.is_remote) == (
         sdk_context.trace_id, sdk_context.span_id, sdk_context.trace_flags, sdk_context.is_remote)
 

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from connector.telemetry import errors
 from connector.telemetry.record import HandshakeError, HandshakeRecord
 from connector.telemetry.stats import ObservedNixlStats
-from connector.telemetry.tracing import SpanEmitter, extract_context
+from connector.telemetry.tracing import SpanEmitter, extract_span
 from connector.vocabulary import (
     MAX_ERROR_MESSAGE,
     MAX_PEER_STRING,
@@ -72,10 +72,10 @@ def test_peer_strings_on_spans_are_bounded() -> None:
 def test_peer_trace_context_is_bounded_and_counted() -> None:
     errors.reset_for_tests()
     valid = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    assert extract_context({"traceparent": valid}) is not None
-    assert extract_context({"traceparent": valid + HUGE}) is None
-    assert extract_context({f"k{i}": "v" for i in range(100)}) is None
-    assert extract_context({"traceparent": 12}) is None
+    assert extract_span({"traceparent": valid}) is not None
+    assert extract_span({"traceparent": valid + HUGE}) is None
+    assert extract_span({f"k{i}": "v" for i in range(100)}) is None
+    assert extract_span({"traceparent": 12}) is None
     assert errors.drain()[TelemetryError.TRACE_CONTEXT.value] == 3
 
 

@@ -240,8 +240,8 @@ def inject_context(span: Any) -> dict[str, str]:
 
 def extract_span(carrier: Any) -> Any:
     """The remote span a carrier dict names, as a non-recording span (a parent or a link
-    for ours, without the OTel context `extract_context` builds around it); None for a
-    missing or malformed carrier."""
+    for ours: no OTel context is built around it); None for a missing or malformed
+    carrier."""
     if not carrier or (type(carrier) is not dict and not isinstance(carrier, Mapping)):
         return None  # (a plain dict, what msgpack gives, skips the ABC check)
     if len(carrier) > 8:
@@ -272,12 +272,6 @@ def extract_span(carrier: Any) -> Any:
     except Exception as exc:
         errors.note(TelemetryError.TRACE_CONTEXT, exc, exc_info=False)
     return None
-
-
-def extract_context(carrier: Any) -> Any:
-    """Context from a carrier dict; None for a missing or malformed carrier."""
-    span = extract_span(carrier)
-    return None if span is None else trace.set_span_in_context(span)
 
 
 def trace_carrier(headers: Any) -> dict[str, str] | None:
