@@ -27,8 +27,14 @@ for wall time, each session's median, and CPU by thread. In this harness CPU fol
 wall time closely (engine loops stepping at 1 kHz, NIXL progress threads and vLLM's
 writer polling), so a batch's CPU spreads as widely as its wall time does.
 
+`known` calibrates that: its "fork" mode is stock plus a known CPU cost per request
+(`--known-us` at each of four per-request sites: both engines' main threads and push
+writers; harness/known_work.py). What the whole CPU makes of it, over the A/A control,
+is the price of one microsecond of own work here, and turns the ratio goals into
+budgets of own work per request.
+
     python -m benchmarks.cpu_ab [--sessions 2] [--rounds 8] [--batches 6] [--batch 50]
-        [--bulk] [--pairs aa,off,on]
+        [--bulk] [--pairs aa,off,on] [--known-us 10]
 """
 
 from __future__ import annotations
@@ -48,9 +54,17 @@ from harness import PushHarness
 from harness.config import FORK
 from harness.runner import quiet_engine_logs
 
+# The known pair's CPU per request and site, in us (four sites: 4 x 10 us is about the
+# fork's own work per request with tracing off, as `profile_push` measures it).
+KNOWN_US = 10.0
+KNOWN_SITES = 4
+
 PAIRS: dict[str, dict[str, Any]] = {
     # A/A control: the same alternation, but both modes run vLLM's stock code paths.
     "aa": {"control": True},
+    # Calibration: the A/A control with a known CPU cost per request in the "fork" mode
+    # (harness/known_work.py: `--known-us` at each of the four per-request sites).
+    "known": {"control": True, "known": True},
     "off": {},
     "on": {"tracing": {**_SDK_DEFAULT_DELAY}},  # always-on sampler (the SDK's default)
     "on-10%": {"tracing": {**_SDK_DEFAULT_DELAY, "sampler": "parentbased_traceidratio",
@@ -121,9 +135,10 @@ def _batch(h: PushHarness, clock: ProcessClock, flush: bool, batch: int,
 
 
 def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
-                 names: list[str], bulk: bool = False) -> dict[str, Any]:
+                 names: list[str], bulk: bool = False, known_us: float = KNOWN_US) -> dict[str, Any]:
     """Per pair and round: `batches` batches per mode, the mode alternating batch by
-    batch (ABBA), CPU and wall summed per mode; the round's ratio is fork / stock."""
+    batch (ABBA), CPU and wall summed per mode; the round's ratio is fork / stock.
+    The `known` pair's "fork" mode burns `known_us` at each per-request site."""
     rx = OtlpGrpcReceiver()
     ratios: dict[str, list[float]] = {n: [] for n in names}
     wall_ratios: dict[str, list[float]] = {n: [] for n in names}
@@ -140,6 +155,7 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                 for name in names[session % len(names):] + names[:session % len(names)]:
                     kw = dict(PAIRS[name])
                     kw.pop("control", None)
+                    kw.pop("known", None)
                     if "tracing" in kw:
                         kw["tracing"] = {"endpoint": rx.endpoint, "protocol": "grpc", **kw["tracing"]}
                     pairs[name] = h = PushHarness.pd(
@@ -157,6 +173,7 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                     for name in names[r % len(names):] + names[:r % len(names)]:
                         h, traced = pairs[name], "tracing" in PAIRS[name]
                         control = PAIRS[name].get("control", False)
+                        known = PAIRS[name].get("known", False)
                         h.resume()
                         # One unmeasured batch first: the first batch after a freeze cost
                         # more, and it was always a stock one (the A/A pair read 0.96).
@@ -172,10 +189,14 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
                             else:  # ABBA batch by batch: S F F S S F F S ... (F S S F ... in odd rounds)
                                 stock, flush = ((i % 4) in (0, 3)) == (r % 2 == 0), False
                             h.stock_mode(stock or control)
+                            if known:
+                                h.known_work(0.0 if stock else known_us)
                             w, by_thread = _batch(h, clocks[name], flush, batch, bulk)
                             wall[stock] += w
                             for k, v in by_thread.items():
                                 spent[stock][k] += v
+                        if known:
+                            h.known_work(0.0)
                         h.pause()
                         n = batches * batch
                         total = {m: sum(spent[m].values()) / n for m in (True, False)}
@@ -215,12 +236,38 @@ def cpu_ab_bench(sessions: int, rounds: int, batches: int, batch: int,
             if max(s, f) >= 5:
                 parts.append(f"{k} {s:.0f}->{f:.0f}")
         print(f"  {name}: " + ", ".join(parts))
+    rate = _known_rate(names, ratios, cpu, known_us) if "known" in names else None
     print(f"total {time.perf_counter() - t0:.0f} s")
-    return {"ratio": {n: statistics.median(r) for n, r in ratios.items()},
+    return {"known_rate": rate,
+            "ratio": {n: statistics.median(r) for n, r in ratios.items()},
             "ratio_spread": {n: [min(r), max(r)] for n, r in ratios.items()},
             "wall_ratio": {n: statistics.median(r) for n, r in wall_ratios.items()},
             "stock_us": {n: statistics.median(cpu[n]["stock"]) * 1e6 for n in names},
             "fork_us": {n: statistics.median(cpu[n]["fork"]) * 1e6 for n in names}}
+
+
+def _known_rate(names: list[str], ratios: dict[str, list[float]],
+                cpu: dict[str, dict[str, list[float]]], known_us: float) -> float:
+    """Print and return what one us of known work per request costs in whole CPU (the
+    `known` pair's surcharge over the A/A control's, when it ran), and what that makes
+    of the ratio goals and of each fork pair's surcharge."""
+    stock_us = statistics.median(cpu["known"]["stock"]) * 1e6
+    base = statistics.median(ratios["aa"]) if "aa" in names else 1.0
+    added = KNOWN_SITES * known_us
+    rate = (statistics.median(ratios["known"]) - base) * stock_us / added
+    print(f"known work: {KNOWN_SITES} sites x {known_us:g} us = {added:g} us of CPU per request cost "
+          f"{rate * added:.0f} us of whole CPU: x{rate:.2f}"
+          + (f" (over the A/A control's {base:.3f})" if "aa" in names else ""))
+    if rate > 0:
+        for goal in (1.01, 1.03):
+            print(f"  a ratio of {goal:.2f} here is {(goal - 1) * stock_us / rate:.0f} us of own work "
+                  f"per request on these sites")
+        for name in names:
+            if name not in ("aa", "known"):
+                extra = (statistics.median(ratios[name]) - base) * stock_us
+                print(f"  {name}: {extra:.0f} us of whole CPU over the control, as if "
+                      f"{extra / rate:.0f} us of own work")
+    return rate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,13 +280,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="each batch in one command per engine (one D step registers it all, "
                          "one P step finishes it all), as under load")
     ap.add_argument("--pairs", default="aa,off,on", help=f"comma-separated subset of {', '.join(PAIRS)}")
+    ap.add_argument("--known-us", type=float, default=KNOWN_US,
+                    help=f"the known pair's CPU per request at each of its {KNOWN_SITES} sites, in us")
     args = ap.parse_args(argv)
     names = [n for n in args.pairs.split(",") if n]
     unknown = [n for n in names if n not in PAIRS]
     if unknown or not names:
         ap.error(f"pairs come from {', '.join(PAIRS)}; got {unknown or names}")
     quiet_engine_logs("bench-ab-logs-")
-    cpu_ab_bench(args.sessions, args.rounds, args.batches, args.batch, names, args.bulk)
+    cpu_ab_bench(args.sessions, args.rounds, args.batches, args.batch, names, args.bulk, args.known_us)
     return 0
 
 

@@ -522,6 +522,13 @@ class Engine:
             self._swap.to_fork()
         return type(self.worker).__name__
 
+    def cmd_known_work(self, us: float) -> list[str]:
+        """Burn `us` microseconds of CPU per request at each of this worker's per-request
+        sites (0: none); returns the methods wrapped (harness.known_work)."""
+        from harness.known_work import set_known_work
+
+        return set_known_work(self.worker, us)
+
     def cmd_thread_names(self) -> dict[int, str]:
         """Native thread id -> Python thread name (numbered suffixes dropped), for a
         benchmark that reads this process's per-thread run time from outside."""

@@ -249,6 +249,13 @@ class PushHarness:
             got = handle.call("stock_mode", stock)
             assert got == want, f"{name} runs {got}, not {want}"
 
+    def known_work(self, us: float) -> None:
+        """Burn `us` microseconds of CPU per request at each per-request site of every
+        engine (harness.known_work; 0: none)."""
+        for name, handle in self.engines.items():
+            got = handle.call("known_work", us)
+            assert bool(got) == (us > 0), f"{name}: known work at {got}"
+
     def _signal(self, sig: int) -> None:
         for handle in self.engines.values():
             if handle.process.pid is not None and handle.process.is_alive():

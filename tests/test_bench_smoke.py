@@ -46,6 +46,10 @@ def test_cpu_ab_benchmark_swaps_modes_in_the_same_processes(monkeypatch, tmp_pat
 
     (tmp_path / "logs").mkdir()
     monkeypatch.setenv("HARNESS_LOG_DIR", str(tmp_path / "logs"))
-    result = cpu_ab.cpu_ab_bench(sessions=1, rounds=1, batches=1, batch=4, names=["off"], bulk=True)
+    result = cpu_ab.cpu_ab_bench(sessions=1, rounds=1, batches=1, batch=4, names=["off", "known"],
+                                 bulk=True, known_us=2000.0)
     assert result["stock_us"]["off"] > 0 and result["fork_us"]["off"] > 0
     assert result["ratio"]["off"] > 0 and result["wall_ratio"]["off"] > 0
+    # The calibration pair's "fork" mode burnt 4 x 2 ms per request on top of stock.
+    assert result["fork_us"]["known"] - result["stock_us"]["known"] >= 4 * 2000.0
+    assert result["known_rate"] > 0

@@ -37,3 +37,19 @@ def test_a_fork_engine_swapped_to_stock_runs_vllms_code_and_back(tmp_path):
         p_stats, d_stats = h.stats("P"), h.stats("D")
         assert _count(p_stats, StatKey.PUSHES_STARTED) == _count(p_stats, StatKey.PUSHES_COMPLETED) == 8
         assert _count(d_stats, StatKey.RECEIVES) == _count(d_stats, StatKey.PUSH_REG_SENT) == 8
+
+        # The known-work calibration (`harness/known_work.py`, `cpu_ab`'s `known` pair): in
+        # stock mode, every per-request site burns what it was told, on its own thread.
+        h.stock_mode(stock=True)
+        us, n = 10_000.0, 4
+        before = {e: h[e].call("thread_cpu") for e in ("P", "D")}
+        h.known_work(us)
+        assert h.push(n).ok
+        spent = {e: {t: s - before[e].get(t, 0.0) for t, s in h[e].call("thread_cpu").items()}
+                 for e in ("P", "D")}
+        for e in ("P", "D"):  # (without it each thread spends well under 1 ms a request)
+            for thread in ("MainThread", "nixl-push-writer"):
+                assert spent[e][thread] >= n * us / 1e6, (e, thread, spent[e])
+        h.known_work(0)  # (the runner checks that no wrapper is left)
+        assert h.push(3).ok
+        h.stock_mode(stock=False)
