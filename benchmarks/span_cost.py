@@ -36,8 +36,8 @@ from connector.telemetry.span_table import SpanTable
 from connector.telemetry.tracing import (
     PrivateRandomIdGenerator,
     SpanEmitter,
-    context_link,
     extract_span,
+    span_link,
 )
 from connector.vocabulary import REGISTRATION_TRACE_KEY, SPAN_PUSH_WRITE, TRACER_NAME, Attr
 
@@ -61,7 +61,7 @@ def _make(tracer: Any, n: int) -> float:
         rid = f"cmpl-{i:08x}-0"
         span = tracer.start_span(
             SPAN_PUSH_WRITE, context=parent, kind=SpanKind.CONSUMER,
-            links=[context_link(own, {Attr.LINK_ROLE: "prefill_request"})],
+            links=[span_link(own, {Attr.LINK_ROLE: "prefill_request"})],
             attributes={Attr.REQUEST_ID: rid, Attr.REMOTE_REQUEST_ID: rid,
                         Attr.REMOTE_ENGINE_ID: "6f1c-decode", Attr.LOCAL_ENGINE_ID: "91ab-prefill",
                         Attr.NUM_BLOCKS: 4})

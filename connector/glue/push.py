@@ -33,9 +33,9 @@ from connector.telemetry import errors
 from connector.telemetry.span_table import MAX_TRACKED_REQUESTS
 from connector.telemetry.tracing import (
     SpanEmitter,
-    context_link,
     extract_span,
     peer_str,
+    span_link,
 )
 from connector.vocabulary import (
     MAX_PUSH_REG_BYTES,
@@ -167,7 +167,7 @@ class PushFlow:
         parent = _decoder_context(registration_data)
         if parent is None:
             return own, None
-        link = context_link(own, _PREFILL_REQUEST_LINK)
+        link = span_link(own, _PREFILL_REQUEST_LINK)
         return parent, [link] if link is not None else None
 
     # --------------------------------------------------------- PUSH_REG intake

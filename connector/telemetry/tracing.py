@@ -305,12 +305,11 @@ def span_ids(span: Any) -> tuple[str, str] | None:
         return None
 
 
-def context_link(ctx: Any, attributes: Mapping[str, Any] | None = None) -> Link | None:
-    """A span link to a span (from `extract_span`) or to the one a context carries, or None."""
-    if ctx is None:
+def span_link(span: Any, attributes: Mapping[str, Any] | None = None) -> Link | None:
+    """A span link to a span (one from `extract_span`), or None."""
+    if span is None:
         return None
     try:
-        span = trace.get_current_span(ctx) if isinstance(ctx, otel_context.Context) else ctx
         span_context = span.get_span_context()
         if span_context.is_valid:
             return Link(span_context, dict(attributes or {}))
