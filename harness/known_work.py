@@ -64,12 +64,11 @@ def _per_request(method: Any, us: float) -> Any:
 
 def set_known_work(worker: Any, us: float) -> list[str]:
     """Burn `us` microseconds at each site (0: none, the methods as they were); returns
-    the methods now wrapped."""
+    the methods the instance now overrides (read back, so a caller can check them)."""
     for name in (*_PER_CALL, _PER_REQUEST):
         worker.__dict__.pop(name, None)  # (the class's method shows through again)
-    if us <= 0:
-        return []
-    for name in _PER_CALL:
-        setattr(worker, name, _per_call(getattr(worker, name), us))
-    setattr(worker, _PER_REQUEST, _per_request(getattr(worker, _PER_REQUEST), us))
-    return sorted((*_PER_CALL, _PER_REQUEST))
+    if us > 0:
+        for name in _PER_CALL:
+            setattr(worker, name, _per_call(getattr(worker, name), us))
+        setattr(worker, _PER_REQUEST, _per_request(getattr(worker, _PER_REQUEST), us))
+    return sorted(name for name in (*_PER_CALL, _PER_REQUEST) if name in worker.__dict__)
