@@ -337,7 +337,8 @@ class SpanEmitter:
     def start(self, name: str, parent: Any = None,
               attributes: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
               kind: SpanKind = SpanKind.INTERNAL, links: list[Link] | None = None) -> Any:
-        """Start a span as a child of `parent` (a span or a context).
+        """Start a span as a child of `parent` (a span: ours, or a remote one from
+        `extract_span`).
 
         A None parent makes a root span (never the thread's current span). A parent
         the sampler dropped gives a non-recording span at no SDK cost; `attributes`
@@ -352,16 +353,14 @@ class SpanEmitter:
                     return under(name, None, kind, attributes, links)
                 parent = otel_context.Context()
             else:
-                is_context = isinstance(parent, otel_context.Context)
-                span_context = (trace.get_current_span(parent) if is_context else parent).get_span_context()
+                span_context = parent.get_span_context()
                 if span_context.is_valid and not span_context.trace_flags.sampled:
                     # The sampler dropped the parent, so it drops this child (every SDK
                     # sampler decides per trace or follows the parent): skip the SDK.
                     return trace.NonRecordingSpan(span_context)
-                if not is_context:
-                    if under is not None:
-                        return under(name, parent, kind, attributes, links)
-                    parent = trace.set_span_in_context(parent)
+                if under is not None:
+                    return under(name, parent, kind, attributes, links)
+                parent = trace.set_span_in_context(parent)
             if callable(attributes):
                 if getattr(self.tracer, "decides_before_attributes", False):
                     # The lean tracer asks the sampler first and builds them only for a
