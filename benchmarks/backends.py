@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.run import _interleaved, latency_summary, print_ratio_rows
-from connector.testing.otlp import OtlpHttpReceiver
 from harness import PushHarness
 from harness.config import FORK
+from harness.otlp_receiver import OtlpHttpReceiver
 from harness.runner import free_port
 
 

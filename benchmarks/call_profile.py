@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cpu_cost import push_batches
-from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
 from harness.config import FORK, STOCK
+from harness.otlp_receiver import OtlpGrpcReceiver
 from harness.runner import LOG_DIR_ENV
 
 # Blocking waits (their wall time is idle, not work): left out of the listing.

@@ -49,9 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cpu_cost import _SDK_DEFAULT_DELAY, _diff, _spread, push_batches
-from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
 from harness.config import FORK
+from harness.otlp_receiver import OtlpGrpcReceiver
 from harness.runner import quiet_engine_logs
 
 # The known pair's CPU per request and site, in us (four sites). 4 x 25 us stands out of

@@ -44,9 +44,9 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
 from harness.config import FORK, STOCK
+from harness.otlp_receiver import OtlpGrpcReceiver
 from harness.runner import quiet_engine_logs
 
 

@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cpu_ab import ProcessClock
-from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
 from harness.config import FORK, STOCK
+from harness.otlp_receiver import OtlpGrpcReceiver
 from harness.runner import LOG_DIR_ENV
 
 OURS = "connector/"

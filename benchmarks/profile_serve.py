@@ -32,10 +32,10 @@ from typing import Any
 from benchmarks.cpu_ab import ProcessClock
 from benchmarks.profile_push import own_costs, print_own, py_spy, record, summary
 from benchmarks.serve_cpu import Pair, _send
-from connector.testing.otlp import OtlpGrpcReceiver
 from demo.engines import session_pids
 from demo.model import random_checkpoint
 from demo.stack import MODEL_CACHE
+from harness.otlp_receiver import OtlpGrpcReceiver
 
 
 def _processes(pair: Pair) -> dict[int, str]:

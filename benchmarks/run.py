@@ -17,9 +17,9 @@ import statistics
 import tempfile
 import time
 
-from connector.testing.otlp import OtlpGrpcReceiver
 from harness import PushHarness
 from harness.config import FORK, STOCK, EngineSpec
+from harness.otlp_receiver import OtlpGrpcReceiver
 from harness.runner import free_port, quiet_engine_logs
 
 

@@ -37,11 +37,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from connector.testing.otlp import OtlpGrpcReceiver
 from demo import drive
 from demo.engines import PROGRESS_DELAY_US, RouterProcess, VllmServer, session_pids
 from demo.model import random_checkpoint
 from demo.stack import MODEL_CACHE
+from harness.otlp_receiver import OtlpGrpcReceiver
 
 STOCK_MODULE = {"kv_connector_module_path": "benchmarks.stock_connector",
                 "kv_connector_extra_config": {"nixl_progress_delay_us": PROGRESS_DELAY_US}}

@@ -124,6 +124,24 @@ class PushFailReason(_Vocab):
     LEASE_EXPIRED = "lease_expired"  # P's lease ended before the PUSH_REG or before the WRITE
 
 
+class LeaseRenewal(_Vocab):
+    """What one request id named in a heartbeat matched on P (one count per P worker)."""
+
+    RENEWED = "renewed"  # a lease P holds: extended
+    PREFILLING = "prefilling"  # P is still computing it: its lease starts when it is done
+    ALREADY_DONE = "already_done"  # P's lease for it already ended (pushed, or released)
+    UNKNOWN_REQUEST = "unknown_request"  # nothing P holds or recently held
+
+
+class LeaseFate(_Vocab):
+    """What P knew of a request when its KV lease expired (its blocks were released)."""
+
+    UNCLAIMED = "unclaimed"  # no decoder ever named it: D leg lost, cancelled, or D down
+    WAITING = "waiting"  # a decoder heartbeated for it (queued on D), no PUSH_REG yet
+    REGISTERED = "registered"  # D's PUSH_REG arrived, no WRITE was posted (handshake pending or failed)
+    PUSH_FAILED = "push_failed"  # the WRITE was posted and failed
+
+
 class SideChannelRejection(_Vocab):
     """Why an engine's side-channel listener dropped a metadata request (and kept serving)."""
 
@@ -151,6 +169,17 @@ SPAN_PUSH_RECEIVE = "nixl.push.receive"
 
 def phase_span_name(phase: Phase) -> str:
     return SPAN_PHASE_PREFIX + phase.value
+
+
+class SpanEvent(_Vocab):
+    """Events our spans carry."""
+
+    # On a span waiting for a handshake another trigger started (vLLM dedups by engine).
+    HANDSHAKE_JOINED = "nixl.handshake.joined"
+    # P's write span: each heartbeat that extended the request's lease, at its time.
+    LEASE_RENEWED = "nixl.kv_lease.renewed"
+    # P's write span, or D's receive span on PUSH_FAIL: the lease expired first.
+    LEASE_EXPIRED = "nixl.kv_lease.expired"
 
 
 class Attr:
@@ -184,6 +213,11 @@ class Attr:
     ERROR_TYPE = "error.type"
     # On a span link: what the linked context is (LinkRole).
     LINK_ROLE = "vllm.nixl.link.role"
+    # On lease events: seconds of lease left after a renewal; what P knew at expiry.
+    LEASE_REMAINING = "vllm.nixl.kv_lease.remaining_s"
+    LEASE_FATE = "vllm.nixl.kv_lease.fate"
+    # On P's write span: heartbeats that renewed the request's lease.
+    LEASE_RENEWALS = "vllm.nixl.kv_lease.renewals"
 
 
 class LinkRole(_Vocab):
@@ -231,6 +265,7 @@ class Label:
     ERROR_TYPE = "error_type"
     LIST = "list"
     REASON = "reason"
+    FATE = "fate"
 
 
 # Allowed values per label (the dashboards and the label-cardinality test use these).
@@ -240,13 +275,14 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     Label.NOTIF_AGENTS_ONLY: BOOL_VALUES,
     Label.OUTCOME: tuple(dict.fromkeys(
         [o.value for o in Outcome] + [o.value for o in NotifOutcome] + [e.value for e in PushEvent]
-        + [r.value for r in ReceiveOutcome])),
+        + [r.value for r in ReceiveOutcome] + [r.value for r in LeaseRenewal])),
     Label.PHASE: tuple(p.value for p in Phase),
     Label.ERROR_TYPE: tuple(e.value for e in ErrorType),
     Label.LIST: tuple(x.value for x in DescriptorList),
     Label.REASON: tuple(dict.fromkeys(
         [t.value for t in TelemetryError] + [r.value for r in PushRegRejection]
         + [r.value for r in SideChannelRejection])),
+    Label.FATE: tuple(f.value for f in LeaseFate),
 }
 
 
@@ -411,6 +447,67 @@ TELEMETRY_ERRORS = MetricSpec(
     "reason is logged at WARNING.",
 )
 
+# -- KV leases (P holds a finished prefill's blocks for D until pushed or expired) --------
+LEASE_AGE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+KV_LEASES_HELD = MetricSpec(
+    "vllm:nixl_kv_leases_held",
+    MetricKind.GAUGE,
+    (),
+    "KV leases this prefill engine holds now: finished prefills whose blocks wait for their "
+    "decoder's push (the largest of the engine's workers, which all hold the same requests).",
+)
+KV_LEASE_OLDEST_AGE = MetricSpec(
+    "vllm:nixl_kv_lease_oldest_age_seconds",
+    MetricKind.GAUGE,
+    (),
+    "Age of the oldest KV lease held (0 when none): how long a finished prefill's blocks "
+    "have waited for their decoder.",
+    unit="s",
+)
+KV_LEASE_RENEWALS = MetricSpec(
+    "vllm:nixl_kv_lease_renewals",
+    MetricKind.COUNTER,
+    (Label.OUTCOME,),
+    "Request ids named in decoders' heartbeats, by what they matched on this prefill "
+    "(renewed: a held lease was extended). One count per prefill worker.",
+)
+KV_LEASE_EXPIRIES = MetricSpec(
+    "vllm:nixl_kv_lease_expiries",
+    MetricKind.COUNTER,
+    (Label.FATE,),
+    "KV leases that expired before their push, by what the prefill knew of the request "
+    "(waiting/registered: a decoder still wanted it). vLLM's vllm:nixl_num_kv_expired_reqs "
+    "counts the same releases without the fate.",
+)
+KV_LEASES_REAPED_LATE = MetricSpec(
+    "vllm:nixl_kv_leases_reaped_late",
+    MetricKind.COUNTER,
+    (),
+    "Expired KV leases still held past one reaper pass after their expiry (their blocks "
+    "were released later than due).",
+)
+HEARTBEATS = MetricSpec(
+    "vllm:nixl_heartbeats",
+    MetricKind.COUNTER,
+    (Label.OUTCOME,),
+    "Heartbeat notifications a decode worker sent to prefill agents (one per agent), "
+    "renewing the leases of its requests that wait for a remote prefill.",
+)
+REMOTE_PREFILLS_WAITING = MetricSpec(
+    "vllm:nixl_remote_prefills_waiting",
+    MetricKind.GAUGE,
+    (),
+    "Requests on this decode engine waiting for KV from a prefill engine: queued or "
+    "registered, from arrival until the KV landed or the receive failed.",
+)
+REMOTE_PREFILL_OLDEST_WAIT = MetricSpec(
+    "vllm:nixl_remote_prefill_oldest_wait_seconds",
+    MetricKind.GAUGE,
+    (),
+    "How long the oldest request waiting for a remote prefill has waited (0 when none).",
+    unit="s",
+)
+
 ALL_METRICS: tuple[MetricSpec, ...] = (
     HANDSHAKES,
     HANDSHAKE_DURATION,
@@ -429,6 +526,14 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     PUSH_REG_REJECTED,
     SIDE_CHANNEL_REJECTED,
     TELEMETRY_ERRORS,
+    KV_LEASES_HELD,
+    KV_LEASE_OLDEST_AGE,
+    KV_LEASE_RENEWALS,
+    KV_LEASE_EXPIRIES,
+    KV_LEASES_REAPED_LATE,
+    HEARTBEATS,
+    REMOTE_PREFILLS_WAITING,
+    REMOTE_PREFILL_OLDEST_WAIT,
 )
 
 # ------------------------------------------------ start-up guard (connector/glue/guard.py)
@@ -456,6 +561,8 @@ METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (PUSH_REG_REJECTED.name, Label.REASON): tuple(r.value for r in PushRegRejection),
     (SIDE_CHANNEL_REJECTED.name, Label.REASON): tuple(r.value for r in SideChannelRejection),
     (TELEMETRY_ERRORS.name, Label.REASON): tuple(t.value for t in TelemetryError),
+    (KV_LEASE_RENEWALS.name, Label.OUTCOME): tuple(r.value for r in LeaseRenewal),
+    (HEARTBEATS.name, Label.OUTCOME): tuple(o.value for o in NotifOutcome),
 }
 
 
@@ -515,6 +622,15 @@ class StatKey:
     SIDE_CHANNEL_REJECTED = "side_channel_rejected"  # list of SideChannelRejection values (scheduler)
     # One snapshot per worker and stats interval: {"d_to_p|true": [count, oldest_s], ...}
     IN_FLIGHT = "handshakes_in_flight"
+    LEASE_RENEWALS = "lease_renewals"  # list of LeaseRenewal values
+    LEASE_EXPIRIES = "lease_expiries"  # list of LeaseFate values
+    LEASES_REAPED_LATE = "leases_reaped_late"  # list of 1s
+    # P worker snapshot when its leases changed: [[held, oldest_age_s]]
+    LEASES = "kv_leases"
+    HEARTBEATS_SENT = "heartbeats_sent"  # list of counts
+    HEARTBEATS_FAILED = "heartbeats_failed"  # list of counts
+    # D scheduler snapshot when its waiting requests changed: [[waiting, oldest_wait_s]]
+    REMOTE_PREFILLS = "remote_prefills_waiting"
 
 
 OUR_STAT_KEYS = (
@@ -530,6 +646,13 @@ OUR_STAT_KEYS = (
     StatKey.TELEMETRY_ERRORS,
     StatKey.SIDE_CHANNEL_REJECTED,
     StatKey.IN_FLIGHT,
+    StatKey.LEASE_RENEWALS,
+    StatKey.LEASE_EXPIRIES,
+    StatKey.LEASES_REAPED_LATE,
+    StatKey.LEASES,
+    StatKey.HEARTBEATS_SENT,
+    StatKey.HEARTBEATS_FAILED,
+    StatKey.REMOTE_PREFILLS,
 )
 
 # PUSH_REG fields P acts on, with the types it needs (validated before use).

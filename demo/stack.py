@@ -12,10 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from connector.testing.otlp import OtlpGrpcReceiver
 from dashboards import promrun
 from demo.engines import LOOPBACK, PROGRESS_DELAY_US, REPO, Process, RouterProcess, VllmServer, alive
 from demo.model import random_checkpoint
+from harness.otlp_receiver import OtlpGrpcReceiver
 
 JOB = "vllm"
 # vLLM 0.32 serves `/metrics` through prometheus-fastapi-instrumentator, which always

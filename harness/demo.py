@@ -17,8 +17,8 @@ import time
 import urllib.request
 from typing import Any
 
-from connector.testing.otlp import OtlpGrpcReceiver
 from connector.vocabulary import SPAN_PUSH_RECEIVE, Attr
+from harness.otlp_receiver import OtlpGrpcReceiver
 from harness.runner import PushHarness
 
 

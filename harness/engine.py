@@ -354,7 +354,7 @@ class Engine:
         }
 
     def cmd_spans(self) -> list[dict[str, Any]]:
-        from connector.testing.spans import flush_and_collect
+        from harness.spans import flush_and_collect
 
         return flush_and_collect()
 
@@ -379,7 +379,7 @@ class Engine:
         return path
 
     def cmd_tracer_kind(self) -> str | None:
-        """The class of the tracer our spans come from (`LeanTracer` on our own provider)."""
+        """The class of the tracer our spans come from."""
         spans = getattr(self.worker, "_spans", None)
         return None if spans is None or spans.tracer is None else type(spans.tracer).__name__
 
@@ -393,8 +393,7 @@ class Engine:
         w, eid = self.worker, prefill["engine_id"]
         rss0 = _rss_bytes()
         t0 = time.perf_counter()
-        with _as_heartbeat(w):
-            fut = w._ensure_handshake(eid, prefill["host"], prefill["port"], 1, 1, 1, False)
+        fut = _as_heartbeat(w, w._ensure_handshake, eid, prefill["host"], prefill["port"], 1, 1, 1, False)
         if fut is not None:
             fut.result(timeout=120)
         seconds = time.perf_counter() - t0
@@ -412,9 +411,8 @@ class Engine:
         t0 = time.perf_counter()
         futs = []
         for prefill in prefills:
-            with _as_heartbeat(w):
-                futs.append(w._ensure_handshake(prefill["engine_id"], prefill["host"], prefill["port"],
-                                                1, 1, 1, False))
+            futs.append(_as_heartbeat(w, w._ensure_handshake, prefill["engine_id"], prefill["host"],
+                                      prefill["port"], 1, 1, 1, False))
         for fut in futs:
             if fut is not None:
                 fut.result(timeout=300)
@@ -631,13 +629,14 @@ def _profile_push_writers() -> None:
     NixlPushConnectorWorker._push_writer_loop = profiled
 
 
-def _as_heartbeat(worker: Any) -> Any:
-    """Tag handshakes started inside as heartbeat-triggered (the fork's worker; no-op on stock)."""
+def _as_heartbeat(worker: Any, call: Any, *args: Any) -> Any:
+    """`call(*args)` with the handshakes it starts tagged heartbeat-triggered (the fork's
+    worker; a plain call on stock)."""
     from connector.vocabulary import Trigger
 
-    if hasattr(worker, "_triggered_by"):
-        return worker._triggered_by(Trigger.HEARTBEAT)
-    return contextlib.nullcontext()
+    if hasattr(worker, "_run_triggered"):
+        return worker._run_triggered(Trigger.HEARTBEAT, None, call, *args)
+    return call(*args)
 
 
 def engine_main(spec: EngineSpec, conn: Connection) -> None:
@@ -654,12 +653,12 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
         if os.environ.get("HARNESS_PROFILE_WRITER"):
             _profile_push_writers()
         if spec.tracing == "memory":
-            from connector.testing.spans import install_memory_tracer
+            from harness.spans import install_memory_tracer
 
             install_memory_tracer(service_name=f"vllm-{spec.name}")
         elif isinstance(spec.tracing, dict) and spec.tracing.get("exporter") == "raising":
             from connector.telemetry.tracing import install_provider
-            from connector.testing.otlp import RaisingExporter
+            from harness.otlp_receiver import RaisingExporter
 
             install_provider(RaisingExporter())
         # Stock and fork engines alike: NIXL's progress thread sleeps between polls

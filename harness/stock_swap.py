@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 from connector.glue.compat import RemoteAgentTable
 from connector.glue.connector import NixlPushConnector as ForkConnector
 from connector.glue.nixl_probe import NixlAgentProbe
-from connector.glue.push_fail import NotifInbox
+from connector.glue.receive import NotifInbox
 from connector.glue.scheduler import ObservedPushScheduler
 from connector.glue.worker import ObservedPushWorker
 from connector.telemetry.stats import ObservedNixlStats

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from connector import vocabulary as V
-from connector.testing.otlp import OtlpGrpcReceiver
 from dashboards import promrun
 from dashboards.promrun import PrometheusServer
+from harness.otlp_receiver import OtlpGrpcReceiver
 
 pytestmark = [pytest.mark.real, pytest.mark.prometheus]
 

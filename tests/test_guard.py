@@ -106,3 +106,25 @@ def test_an_import_that_vllm_broke_names_the_version_and_range(monkeypatch):
     monkeypatch.setitem(sys.modules, "connector.glue.connector", None)  # import now fails
     with pytest.raises(ImportError, match=rf"Installed vLLM: {VERSION}; tested range {guard.TESTED_RANGE}"):
         connector.NixlPushConnector  # noqa: B018 - the attribute access is the import
+
+
+def test_a_changed_source_of_a_function_we_reimplement_is_named(monkeypatch):
+    """A patch release that edits `_handle_heartbeat` (ours in leases.py) fails at start-up
+    naming it, though its signature is unchanged."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    assert guard.pinned_source_problems(VERSION) == []
+
+    def _handle_heartbeat(self, payload: str) -> None:  # same signature, other body
+        return None
+
+    monkeypatch.setattr(NixlBaseConnectorWorker, "_handle_heartbeat", _handle_heartbeat)
+    [problem] = guard.pinned_source_problems(VERSION)
+    assert problem.startswith("NixlBaseConnectorWorker._handle_heartbeat is not the source")
+    with pytest.raises(guard.UnsupportedVllmError, match="_handle_heartbeat is not the source"):
+        guard.check_worker(complete_worker())
+
+
+def test_every_tested_minor_pins_the_same_functions():
+    pinned = {frozenset(p) for p in guard.PINNED_SOURCES.values()}
+    assert len(pinned) == 1 and set(guard.PINNED_SOURCES) == set(guard.TESTED_MINORS)

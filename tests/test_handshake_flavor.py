@@ -45,8 +45,8 @@ def bare_worker(kv_role="kv_both"):
 
 
 def ensure(w, trigger, notif_only_requested=False):
-    with w._triggered_by(trigger):
-        return w._ensure_handshake("peer", "127.0.0.1", 1, 1, 1, 1, notif_only_requested)
+    return w._run_triggered(trigger, None, w._ensure_handshake, "peer", "127.0.0.1", 1, 1, 1, 1,
+                            notif_only_requested)
 
 
 def test_heartbeat_is_notification_only_even_when_vllm_asks_for_full():

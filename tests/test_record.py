@@ -14,7 +14,12 @@ from connector.glue.compat import (
     bind_handshake_tail,
 )
 from connector.telemetry.record import HandshakeError, HandshakeRecord, classify_error
-from connector.telemetry.savings import full_handshake_saving, remote_descriptor_count
+from connector.telemetry.savings import (
+    LocalLayout,
+    LocalListLedger,
+    remote_descriptor_count,
+    shape_aware_saving,
+)
 from connector.vocabulary import DescriptorList, Direction, ErrorType, Outcome, Phase, Trigger
 
 
@@ -81,16 +86,21 @@ def test_savings_count_one_descriptor_per_remote_block_per_region():
     assert remote_descriptor_count(meta()) == 300
     assert remote_descriptor_count(meta(region_num_blocks=[10, 20, 30])) == 60
     # A PP layer slice only registers its window of the peer's regions.
-    assert remote_descriptor_count(meta(region_num_blocks=[10, 20, 30]), local_regions=2,
-                                   local_region_offset=1) == 50
+    assert remote_descriptor_count(meta(region_num_blocks=[10, 20, 30]),
+                                   LocalLayout(block_size=32, num_descs=0, pp_window=(1, 2))) == 50
+
+
+def _saving(m, layout, registered_block_sizes):
+    return shape_aware_saving(m, layout, local_tp_size=1, remote_tp_size=1, remote_pp_size=1,
+                              registered_block_sizes=registered_block_sizes,
+                              registered_tp_splits=set(), ledger=LocalListLedger())
 
 
 def test_savings_include_the_first_smaller_block_size_local_list():
-    s = full_handshake_saving(meta(block_size=16), local_block_size=32, local_num_descs=40,
-                              registered_block_sizes=set())
+    layout = LocalLayout(block_size=32, num_descs=40)
+    s = _saving(meta(block_size=16), layout, set())
     assert (s.registrations, s.descriptors) == (2, 300 + 40 * 2)
-    again = full_handshake_saving(meta(block_size=16), local_block_size=32, local_num_descs=40,
-                                  registered_block_sizes={16})
+    again = _saving(meta(block_size=16), layout, {16})
     assert (again.registrations, again.descriptors) == (1, 300)
 
 

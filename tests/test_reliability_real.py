@@ -29,7 +29,7 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from connector.glue.push import push_reg_problem
+from connector.glue.wire import parse_push_reg
 from connector.vocabulary import (
     MAX_PUSH_REG_BYTES,
     PUSH_REG_TRACE_KEY,
@@ -57,7 +57,7 @@ RETRYING = {"handshake_timeout_ms": TIMEOUT_MS, "handshake_retries": 3,
             "handshake_retry_backoff_s": 0.1, "handshake_retry_budget_s": 20}
 NO_RETRY = {"handshake_timeout_ms": E_TIMEOUT_MS, "handshake_retries": 0}
 PUSH_LOG = "connector.glue.push"
-PUSH_FAIL_LOG = "connector.glue.push_fail"
+RECEIVE_LOG = "connector.glue.receive"
 START_TIMEOUT_S = 600.0
 
 
@@ -242,7 +242,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Any:
         try:
             for name in "PDE":
                 h[name].call("watch_log", PUSH_LOG)
-                h[name].call("watch_log", PUSH_FAIL_LOG)
+                h[name].call("watch_log", RECEIVE_LOG)
             # Connect P<->D and P<->E once, the normal way.
             for d in "DE":
                 r.serves("P", d)
@@ -486,7 +486,7 @@ def test_registration_after_p_lease_expired_fails_on_d_at_once(rig: Rig) -> None
     assert values(stats, StatKey.PUSH_REG_REJECTED) == ["after_lease_expired"]
     assert d_id not in h["P"].call("pending_registrations")  # upstream: kept for ever
     assert count(stats, StatKey.PUSHES_STARTED) == 0
-    assert any(d_id in line and "lease" in line for line in h["D"].call("logged", PUSH_FAIL_LOG))
+    assert any(d_id in line and "lease" in line for line in h["D"].call("logged", RECEIVE_LOG))
     rig.serves("P", "D")
 
 
@@ -648,7 +648,7 @@ def test_push_reg_fuzz_through_real_nixl(rig: Rig) -> None:
                  msgspec.msgpack.encode({"request_id": "x" * (2 * MAX_PUSH_REG_BYTES)})]
     notifs = [PREFIX + b for b in bodies] + [PREFIX + b for b in oversized]
     expected = collections.Counter(
-        problem[0].value for n in notifs if (problem := push_reg_problem(n)) is not None)
+        problem[0].value for n in notifs if (problem := parse_push_reg(n)[1]) is not None)
     assert len(expected) >= 5, expected  # every rejection reason was tried (bar processing_failed)
     n_bad = sum(expected.values())
     assert n_bad >= 1500, expected
@@ -676,7 +676,7 @@ def test_push_reg_fuzz_through_real_nixl(rig: Rig) -> None:
                     f"P's results: {h['P'].call('results')}") from exc
             assert d_id not in res["failed_recving"]
             assert rig.same_bytes("P", p_blocks, "D", d_blocks)
-        want = sum(1 for b in batches[: i + 1] for n in b if push_reg_problem(n) is not None)
+        want = sum(1 for b in batches[: i + 1] for n in b if parse_push_reg(n)[1] is not None)
         seen = len(rejected)
         p_stats += rig.collect(
             "P", lambda s, want=want, seen=seen: seen + count(s, StatKey.PUSH_REG_REJECTED) >= want)

@@ -14,8 +14,8 @@ import time
 import msgspec
 import pytest
 
-from connector.glue.push import push_reg_problem
 from connector.glue.retry import RetryPolicy
+from connector.glue.wire import parse_push_reg
 from connector.telemetry import errors
 from connector.telemetry.in_flight import InFlight
 from connector.telemetry.receives import ReceiveClock
@@ -31,6 +31,7 @@ from connector.vocabulary import (
     TelemetryError,
     Trigger,
 )
+from tests.support.telemetry import reset_telemetry_errors
 from tests.test_stats_and_prometheus import frontend
 
 
@@ -131,7 +132,7 @@ def test_registering_again_ends_the_span_it_replaces():
 
 
 def test_span_table_drops_and_ends_the_oldest_past_its_bound():
-    errors.reset_for_tests()
+    reset_telemetry_errors()
     table = SpanTable(limit=3)
     spans = [FakeSpan() for _ in range(5)]
     for i, span in enumerate(spans):
@@ -141,16 +142,15 @@ def test_span_table_drops_and_ends_the_oldest_past_its_bound():
     assert errors.drain() == {TelemetryError.TABLE_FULL.value: 2}
 
 
-@pytest.mark.parametrize("variant", ["_xfer_blocks_named", "_xfer_blocks_passing"])
-def test_a_posted_write_is_counted_once_per_request_and_its_handle_passed_on(monkeypatch, variant):
-    """Both forms of the WRITE wrapper: vLLM's arguments reach vLLM unchanged, its handle
-    comes back, and a request's first posted WRITE (not one that posted nothing) counts
-    as a push started. The named form is the one used on the vLLMs CI tests."""
+@pytest.mark.parametrize("by_keyword", [True, False])
+def test_a_posted_write_is_counted_once_per_request_and_its_handle_passed_on(monkeypatch, by_keyword):
+    """vLLM's arguments reach vLLM unchanged (by keyword, as vLLM passes them, or by
+    position), its handle comes back, and a request's first posted WRITE (not one that
+    posted nothing) counts as a push started."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
         NixlPushConnectorWorker,
     )
 
-    from connector.glue.push import PushFlow
     from connector.glue.worker import ObservedPushWorker
 
     posted = []
@@ -164,16 +164,20 @@ def test_a_posted_write_is_counted_once_per_request_and_its_handle_passed_on(mon
     monkeypatch.setattr(NixlPushConnectorWorker, "_xfer_blocks", vllms)
     w = object.__new__(ObservedPushWorker)
     w._push_lock, w._pushing, w.xfer_stats = threading.Lock(), BoundedIdSet(), ObservedNixlStats()
-    write = getattr(ObservedPushWorker, variant)
-    rest = {"dst_engine_id": "d", "remote_request_id": "r", "local_xfer_side_handle": 1,
-            "remote_xfer_side_handle": 2}
-    assert write(w, read_spec="a", request_id="req", **rest) == 101
-    assert write(w, read_spec="b", request_id="req", **rest) == 102  # its second WRITE
-    assert write(w, read_spec="nothing", request_id="other", **rest) is None
+
+    def write(read_spec, request_id):
+        if by_keyword:
+            return w._xfer_blocks(read_spec=read_spec, dst_engine_id="d", request_id=request_id,
+                                  remote_request_id="r", local_xfer_side_handle=1,
+                                  remote_xfer_side_handle=2)
+        return w._xfer_blocks(read_spec, "d", request_id, "r", 1, 2)
+
+    assert write("a", "req") == 101
+    assert write("b", "req") == 102  # its second WRITE
+    assert write("nothing", "other") is None
     assert posted[0] == ("a", "d", "req", "r", 1, 2)
     assert w.xfer_stats.data[StatKey.PUSHES_STARTED] == [1]
     assert "req" in w._pushing and "other" not in w._pushing
-    assert ObservedPushWorker._xfer_blocks is PushFlow._xfer_blocks_named
 
 
 def test_bounded_id_set_forgets_the_oldest_not_an_arbitrary_one():
@@ -182,7 +186,7 @@ def test_bounded_id_set_forgets_the_oldest_not_an_arbitrary_one():
         assert ids.add(f"r{i}") is True
     assert ids.add("r4") is False
     assert [f"r{i}" in ids for i in range(5)] == [False, False, True, True, True]
-    errors.reset_for_tests()
+    reset_telemetry_errors()
 
 
 # ------------------------------------------------------------ PUSH_REG validation
@@ -215,7 +219,7 @@ GOOD = {"request_id": "cmpl-1", "decode_engine_id": "d", "decode_host": "127.0.0
     (b"PUSH_REG:" + b"\x00" * (MAX_PUSH_REG_BYTES + 1), PushRegRejection.OVERSIZED),
 ])
 def test_push_reg_problems(notif: bytes, reason: PushRegRejection | None):
-    problem = push_reg_problem(notif)
+    problem = parse_push_reg(notif)[1]
     assert (problem[0] if problem else None) == reason
 
 
@@ -237,7 +241,7 @@ def test_retry_policy_retries_only_transient_errors_within_budget():
 
 # -------------------------------------------------------- counted telemetry faults
 def test_first_fault_of_each_reason_is_a_warning_and_all_are_counted(caplog):
-    errors.reset_for_tests()
+    reset_telemetry_errors()
     with caplog.at_level(logging.DEBUG, logger="connector.telemetry"):
         for _ in range(3):
             errors.note(TelemetryError.SAVINGS, "boom", exc_info=False)
@@ -370,7 +374,7 @@ def test_a_forked_child_does_not_repeat_its_parents_span_ids():
 
 
 def test_push_fail_round_trip_and_what_is_refused():
-    from connector.glue.push_fail import decode_push_fail, encode_push_fail, wants_push_fail
+    from connector.glue.wire import decode_push_fail, encode_push_fail, wants_push_fail
     from connector.vocabulary import (
         CAP_PUSH_FAIL,
         MAX_PUSH_FAIL_BYTES,
@@ -394,7 +398,8 @@ def test_push_fail_round_trip_and_what_is_refused():
 def test_notif_inbox_sets_push_fails_aside_and_keeps_the_rest_in_order():
     """The writer's forwarded notifications: PUSH_FAILs go to their own deque (the main
     thread checks it each step without a lock); everything else stays FIFO for vLLM."""
-    from connector.glue.push_fail import NotifInbox, encode_push_fail
+    from connector.glue.receive import NotifInbox
+    from connector.glue.wire import encode_push_fail
     from connector.vocabulary import PushFailReason
 
     inbox = NotifInbox()

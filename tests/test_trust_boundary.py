@@ -28,6 +28,7 @@ from connector.vocabulary import (
     TelemetryError,
     Trigger,
 )
+from tests.support.telemetry import reset_telemetry_errors
 from tests.test_stats_and_prometheus import frontend
 
 HUGE = "x" * (1 << 20)  # 1 MiB: fits in a PUSH_REG, far past anything real
@@ -70,7 +71,7 @@ def test_peer_strings_on_spans_are_bounded() -> None:
 
 
 def test_peer_trace_context_is_bounded_and_counted() -> None:
-    errors.reset_for_tests()
+    reset_telemetry_errors()
     valid = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     assert extract_span({"traceparent": valid}) is not None
     assert extract_span({"traceparent": valid + HUGE}) is None

@@ -19,7 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBa
 from connector.glue.guard import installed_version
 from connector.glue.nixl_probe import count_descriptors
 from connector.telemetry.record import classify_error
-from connector.telemetry.savings import LocalLayout, full_handshake_saving, remote_region_blocks
+from connector.telemetry.savings import (
+    LocalLayout,
+    LocalListLedger,
+    remote_region_blocks,
+    shape_aware_saving,
+)
 from connector.vocabulary import ErrorType
 from harness.engine import _descriptor_count
 
@@ -98,18 +103,23 @@ def test_packed_remote_row_split_per_local_layer_matches_vllm():
     ours = remote_region_blocks(m, layout)
     split(SimpleNamespace(region_names=list(local_regions)), m)
     assert ours == m.region_num_blocks == [40, 40, 40, 7]
-    saving = full_handshake_saving(meta(**{**vars(m), "region_num_blocks": [40, 7],
-                                          "region_names": ["l0", "indexer"],
-                                          "packed_member_layouts": {"l0": (0, 64), "l1": (64, 64),
-                                                                    "l2": (128, 64)}}),
-                                   layout, registered_block_sizes=set())
+    saving = _saving(meta(**{**vars(m), "region_num_blocks": [40, 7],
+                             "region_names": ["l0", "indexer"],
+                             "packed_member_layouts": {"l0": (0, 64), "l1": (64, 64), "l2": (128, 64)}}),
+                     layout)
     assert (saving.registrations, saving.descriptors) == (1, 127)
+
+
+def _saving(m, layout):
+    return shape_aware_saving(m, layout, local_tp_size=1, remote_tp_size=1, remote_pp_size=1,
+                              registered_block_sizes=set(), registered_tp_splits=set(),
+                              ledger=LocalListLedger())
 
 
 def test_pp_slice_and_smaller_remote_blocks():
     layout = LocalLayout(block_size=32, num_descs=40, pp_window=(1, 2))
     assert remote_region_blocks(meta(), layout) == [20, 30]
-    s = full_handshake_saving(meta(block_size=16), layout, registered_block_sizes=set())
+    s = _saving(meta(block_size=16), layout)
     assert (s.registrations, s.descriptors) == (2, 50 + 40 * 2)
 
 

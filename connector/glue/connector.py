@@ -114,23 +114,23 @@ class NixlPushConnector(StockNixlPushConnector):
             raise ConnectorConfigError(
                 f"vLLM's NixlPushConnector no longer builds its scheduler through {SCHEDULER_SEAM!r}; "
                 "this vLLM release is not supported by this connector version.")
-        if self.connector_worker is not None:
-            # vLLM asks for stats every step; a worker's come from the worker alone, so
-            # its connector answers with vLLM's method directly (one call less per step).
-            self.get_kv_connector_stats = super().get_kv_connector_stats
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.connector_worker is not None:  # (bound to vLLM's in __init__; kept for safety)
+        if self.connector_worker is not None:
             return super().get_kv_connector_stats()
-        # Scheduler process: what its side-channel listener dropped (vLLM aggregates this
-        # with the workers' stats each step).
-        if not listener.pending_rejections:  # the usual step: nothing dropped
-            return None
-        rejected = listener.drain_rejected()
-        if not rejected:
+        # Scheduler process: what its side-channel listener dropped, and (D) the
+        # requests waiting for a remote prefill (vLLM aggregates this with the workers'
+        # stats each step).
+        scheduler = getattr(self, "connector_scheduler", None)
+        waiting = scheduler.remote_prefills_waiting() if scheduler is not None else None
+        rejected = listener.drain_rejected() if listener.pending_rejections else None
+        if waiting is None and not rejected:  # the usual step
             return None
         stats = ObservedNixlStats()
-        stats.record_side_channel_rejected(rejected)
+        if rejected:
+            stats.record_side_channel_rejected(rejected)
+        if waiting is not None:
+            stats.set_remote_prefills(*waiting)
         return stats
 
     @classmethod

@@ -9,6 +9,9 @@ worker checks the whole surface once when it starts:
 - every vLLM method we override or call exists and accepts what we pass;
 - every attribute we read exists once vLLM's constructor has run;
 - the metadata fields we decode and the seam the connector uses exist;
+- the vLLM functions we re-implement in our own words (or whose exact behaviour we
+  rely on) have the source CI tested (`PINNED_SOURCES`, a digest per tested minor):
+  a patch release that changes one is named at start-up;
 - the version is inside the range CI tests (`TESTED_MINORS`).
 
 Anything wrong fails at once, naming the missing piece, the installed version and
@@ -18,10 +21,14 @@ the API server then reports `vllm:nixl_observed_degraded 1` on /metrics.
 
 from __future__ import annotations
 
+import ast
+import functools
+import hashlib
 import inspect
 import logging
 import os
 import re
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +98,8 @@ WORKER_CALLS: tuple[Call, ...] = (
     Call("worker", "get_transfer_results"),
     Call("worker", "_handle_push_reg_notif", (_ANY,)),
     Call("worker", "_pop_matching_finished_blocks", (_ANY,)),
+    Call("worker", "_handle_heartbeat", (_ANY,)),
+    Call("worker", "_reap_expired_send_leases", (_ANY,)),
     Call("topology", "handshake_target_ranks", (_ANY, _ANY)),
     Call("stats", "__post_init__"),
     Call("stats", "reset"),
@@ -101,6 +110,7 @@ WORKER_CALLS: tuple[Call, ...] = (
     Call("prom", "observe", (_ANY, _ANY)),
     Call("scheduler", "_nixl_handshake_listener", (_ANY, _ANY, _ANY, _ANY, _ANY)),
     Call("scheduler", "set_xfer_handshake_metadata", (_ANY,)),
+    Call("scheduler", "on_new_request", (_ANY,)),
 )
 
 # Attributes vLLM's worker constructor sets that the fork reads or replaces.
@@ -112,12 +122,36 @@ WORKER_ATTRIBUTES: tuple[str, ...] = (
     "block_size", "src_xfer_handles_by_block_size", "block_len_per_layer",
     "pp_size", "_remote_region_offset", "_pending_completion_notifs", "_failed_recv_reqs",
     "_recving_metadata", "_push_finished_blocks", "_pending_d_registrations",
+    "_reqs_to_send", "_reqs_to_process", "_lease_extension",
 )
 # Attributes vLLM's worker sets later (when KV caches are registered) that the fork reads:
 # checked in the source, as assignments `self.<name> = ...` somewhere in the worker classes.
 LATER_ATTRIBUTES: tuple[str, ...] = (
     "num_descs", "_transfer_layer_region_indices", "_transfer_layer_names", "region_names",
 )
+# Attributes vLLM's push scheduler sets that the fork's scheduler reads (source scan too).
+SCHEDULER_ATTRIBUTES: tuple[str, ...] = (
+    "_heartbeat_req_engine", "_push_pending_registrations", "_newly_finished_push_blocks",
+)
+
+# vLLM functions whose source CI tested, per minor: sha256 (first 16 hex digits) of the
+# dedented source. Re-implemented in our words: `_ensure_handshake` (flavor, dedup,
+# upgrade, retries: handshakes.py), `_nixl_handshake` (phases: handshakes.py),
+# `_log_failure` (worker.py), `_handle_heartbeat` (leases.py),
+# `_handle_push_reg_notif` (push.py). Relied on as it is: `_reap_expired_send_leases`
+# (it frees every expired lease wherever it sits in the map; leases.py counts around it).
+_SAME_IN_032_AND_033 = {
+    "NixlBaseConnectorWorker._ensure_handshake": "259894cd168148e0",
+    "NixlBaseConnectorWorker._nixl_handshake": "ab0315f92e542085",
+    "NixlBaseConnectorWorker._log_failure": "10ad0c82a548c45c",
+    "NixlBaseConnectorWorker._handle_heartbeat": "de391c234b5b3682",
+    "NixlBaseConnectorWorker._reap_expired_send_leases": "fe6ddaa577df8371",
+    "NixlPushConnectorWorker._handle_push_reg_notif": "9c04b1f1eaba6ea9",
+}
+PINNED_SOURCES: dict[tuple[int, int], dict[str, str]] = {
+    (0, 32): _SAME_IN_032_AND_033,
+    (0, 33): _SAME_IN_032_AND_033,
+}
 
 # Fields of the side-channel messages we decode ourselves.
 METADATA_FIELDS: dict[str, tuple[str, ...]] = {
@@ -125,6 +159,36 @@ METADATA_FIELDS: dict[str, tuple[str, ...]] = {
     "NixlAgentMetadata": ("engine_id", "agent_metadata", "kv_caches_base_addr", "num_blocks",
                           "block_size", "region_num_blocks", "dcp_size"),
 }
+
+
+def source_digest(func: Any) -> str:
+    """The digest `PINNED_SOURCES` holds for a function's source."""
+    source = textwrap.dedent(inspect.getsource(func))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def pinned_source_problems(version: str, owners: dict[str, Any] | None = None,
+                           pins: dict[tuple[int, int], dict[str, str]] | None = None) -> list[str]:
+    """vLLM functions we re-implement whose source is not the one CI tested."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    wanted = (pins or PINNED_SOURCES).get((int(match[1]), int(match[2]))) if match else None
+    if wanted is None:
+        return []  # an untested minor: the version check says so
+    owners = owners or _owners()
+    classes = {cls.__name__: cls for cls in (owners["base"], owners["worker"])}
+    problems = []
+    for qualname, digest in wanted.items():
+        cls_name, name = qualname.split(".")
+        func = _stock_method(classes[cls_name], name)
+        try:
+            got = source_digest(getattr(func, "__func__", func)) if func is not None else None
+        except (OSError, TypeError):
+            got = None
+        if got != digest:
+            problems.append(f"{qualname} is not the source this connector was tested with on vLLM "
+                            f"{match[1]}.{match[2]} (re-implemented or relied on by the fork; "
+                            f"digest {got} != {digest}): review it against connector/glue")
+    return problems
 
 
 def installed_version() -> str:
@@ -144,6 +208,9 @@ def version_tested(version: str) -> bool:
 
 def _owners() -> dict[str, Any]:
     from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+        NixlBaseConnectorWorker,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
         NixlPushConnectorScheduler,
     )
@@ -155,7 +222,8 @@ def _owners() -> dict[str, Any]:
         NixlPromMetrics,
     )
 
-    return {"worker": NixlPushConnectorWorker, "topology": TransferTopology,
+    return {"worker": NixlPushConnectorWorker, "base": NixlBaseConnectorWorker,
+            "topology": TransferTopology,
             "stats": NixlKVConnectorStats, "prom": NixlPromMetrics,
             "scheduler": NixlPushConnectorScheduler}
 
@@ -222,22 +290,34 @@ def surface_problems(calls: Iterable[Call] = WORKER_CALLS,
     problems.extend(_metadata_problems())
     problems.extend(_seam_problems())
     problems.extend(_later_attribute_problems(owners["worker"]))
+    problems.extend(_later_attribute_problems(owners["scheduler"], SCHEDULER_ATTRIBUTES))
     return problems
 
 
 def _assigned_attributes(cls: type) -> set[str]:
-    """Names vLLM's worker modules assign as `self.<name> = ...` (a cheap text scan)."""
+    """Names vLLM's worker or scheduler modules assign as `self.<name> = ...`."""
     names: set[str] = set()
     for path in {inspect.getsourcefile(k) for k in cls.__mro__ if k is not object} - {None}:
-        try:
-            with open(path, encoding="utf-8") as f:
-                names.update(_SELF_ASSIGNMENT.findall(f.read()))
-        except OSError:
-            continue
+        names |= _self_targets(path)
     return names
 
 
-_SELF_ASSIGNMENT = re.compile(r"\bself\.(\w+)\s*(?::[^=\n]*)?=(?!=)")
+@functools.cache
+def _self_targets(path: str) -> frozenset[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return frozenset()
+    names = set()
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else [])
+        for target in targets:
+            if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"):
+                names.add(target.attr)
+    return frozenset(names)
 
 
 def _later_attribute_problems(worker_cls: type, names: Iterable[str] = LATER_ATTRIBUTES) -> list[str]:
@@ -308,7 +388,8 @@ def allow_untested() -> bool:
 def assess(version: str | None = None) -> Verdict:
     """The class-level verdict (no worker instance needed: also used by the API server)."""
     version = version or installed_version()
-    return Verdict(version, version_tested(version), surface_problems())
+    return Verdict(version, version_tested(version),
+                   surface_problems() + pinned_source_problems(version))
 
 
 def check_worker(worker: Any, *, version: str | None = None) -> Verdict:

@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from vllm.platforms import current_platform
 
 from connector.glue.compat import accepted, bind_handshake_tail
+from connector.glue.flow import Flow
 from connector.glue.side_channel import SideChannelClient
 from connector.telemetry import errors
 from connector.telemetry.record import (
@@ -51,6 +52,7 @@ from connector.vocabulary import (
     Direction,
     ErrorType,
     Phase,
+    SpanEvent,
     TelemetryError,
     Trigger,
 )
@@ -93,41 +95,8 @@ _FLAVOR_BY_TRIGGER: dict[Trigger, tuple[Direction, bool]] = {
 }
 
 
-class TriggerScope:
-    """`with` block during which this thread's handshakes are tagged with `trigger`
-    and, when tracing, parented on `parent` (a span or an OTel context).
-
-    The scope lives in the worker's thread-local (`trigger`, `parent`), not in OTel's
-    current context: a handshake reads it only when it starts, which is rare, while
-    attaching a context costs a dozen calls on every push. The per-request paths use
-    `HandshakeFlow._in_scope` (one call instead of this object's three); the rest use
-    this class through `_triggered_by`.
-    """
-
-    __slots__ = ("_local", "_parent", "_previous", "_trigger")
-
-    def __init__(self, local: threading.local, trigger: Trigger, parent: Any = None):
-        self._local = local
-        self._trigger = trigger
-        self._parent = parent
-        self._previous: tuple[Any, Any] = (None, None)
-
-    def __enter__(self) -> None:
-        local = self._local
-        self._previous = (getattr(local, "trigger", None), getattr(local, "parent", None))
-        local.trigger, local.parent = self._trigger, self._parent
-
-    def __exit__(self, *exc: object) -> None:
-        self._local.trigger, self._local.parent = self._previous
-
-
-class HandshakeFlow:
-    """Mixin for `NixlPushConnectorWorker`: handshake flavor, dedup, upgrade and phases.
-
-    State it expects (set by the worker's `__init__`): `_trigger_local`,
-    `_notif_only_engines`, `_pending_jobs`, `_handshake_timeout_ms`, `_kv_role`,
-    `_spans`, `xfer_stats`, and vLLM's own handshake attributes.
-    """
+class HandshakeFlow(Flow):
+    """Mixin for `NixlPushConnectorWorker`: handshake flavor, dedup, upgrade and phases."""
 
     # ------------------------------------------------------------------ triggers
     def _push_writer_loop(self) -> None:
@@ -140,11 +109,10 @@ class HandshakeFlow:
             self._trigger_local.trigger = self._writer_trigger
         super()._push_writer_loop()
 
-    def _triggered_by(self, trigger: Trigger, parent: Any = None) -> TriggerScope:
-        return TriggerScope(self._trigger_local, trigger, parent)
-
-    def _in_scope(self, trigger: Trigger, parent: Any, call: Any, *args: Any) -> Any:
-        """`call(*args)` inside the scope `_triggered_by(trigger, parent)` sets up."""
+    def _run_triggered(self, trigger: Trigger, parent: Any, call: Any, *args: Any) -> Any:
+        # The scope lives in the worker's thread-local, not in OTel's current context:
+        # a handshake reads it only when it starts, which is rare, while attaching a
+        # context would cost a dozen calls on every push.
         local = self._trigger_local
         previous = getattr(local, "trigger", None), getattr(local, "parent", None)
         local.trigger, local.parent = trigger, parent
@@ -155,12 +123,10 @@ class HandshakeFlow:
 
     def _scope_parent(self) -> Any:
         """The OTel context a handshake starting now is parented on: the scope's
-        parent (see `TriggerScope`), else the thread's current context."""
+        parent span, else the thread's current context."""
         parent = getattr(self._trigger_local, "parent", None)
         if parent is None:
             return otel_context.get_current()
-        if isinstance(parent, otel_context.Context):
-            return parent
         return trace.set_span_in_context(parent)
 
     def _flavor_for(self, trigger: Trigger, requested_notif_only: bool) -> tuple[Direction, bool]:
@@ -223,7 +189,7 @@ class HandshakeFlow:
         try:
             span = trace.get_current_span(self._scope_parent())
             if span.is_recording():
-                span.add_event("nixl.handshake.joined", {Attr.REMOTE_ENGINE_ID: engine_id,
+                span.add_event(SpanEvent.HANDSHAKE_JOINED, {Attr.REMOTE_ENGINE_ID: engine_id,
                                                           Attr.NOTIF_AGENTS_ONLY: notif_only})
         except Exception as exc:
             errors.note(TelemetryError.SPAN, exc)
@@ -315,9 +281,6 @@ class HandshakeFlow:
                     self._notif_only_engines.discard(eid)
                 self._engine_clock_offset[eid] = clock_offset
                 self._engine_last_active[eid] = time.perf_counter()
-                track = getattr(self, "_track_remote_engine_replacement", None)
-                if track is not None:
-                    track(eid, job.host, job.port)
         self._publish_handshake(record)
         # Outside the lock: vLLM's callbacks on this future call _ensure_handshake.
         if exc is not None:

@@ -2,8 +2,9 @@
 
 It observes the two agent calls a handshake is made of (`add_remote_agent` and
 `prep_xfer_dlist`) for the handshake record of the current thread, so we measure
-what NIXL was actually asked to do rather than trusting a flag. Every other
-attribute is bound straight to the real agent on first use: the transfer hot path
+what NIXL was actually asked to do rather than trusting a flag, and every
+notification sent (heartbeats are counted from here). Every other attribute is
+bound straight to the real agent on first use: the transfer hot path
 (make_prepped_xfer, transfer, check_xfer_state, get_new_notifs) pays nothing.
 """
 
@@ -49,10 +50,12 @@ def count_descriptors(descs: Any) -> int:
 
 
 class NixlAgentProbe:
-    """Wraps a `nixl_agent`; see module docstring."""
+    """Wraps a `nixl_agent`; see module docstring. `on_notif(message, ok)` hears of
+    every notification sent (or failed) through it; it must not raise."""
 
-    def __init__(self, agent: Any):
+    def __init__(self, agent: Any, on_notif: Any = None):
         object.__setattr__(self, "_agent", agent)
+        object.__setattr__(self, "_on_notif", on_notif)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._agent, name)
@@ -86,6 +89,18 @@ class NixlAgentProbe:
         except Exception:  # telemetry must never break a handshake
             logger.debug("descriptor counting failed", exc_info=True)
         return handle
+
+    def send_notif(self, remote_agent_name: Any, *args: Any, **kwargs: Any) -> Any:
+        message = kwargs["notif_msg"] if "notif_msg" in kwargs else (args[0] if args else None)
+        try:
+            result = self._agent.send_notif(remote_agent_name, *args, **kwargs)
+        except Exception:
+            if self._on_notif is not None:
+                self._on_notif(message, False)
+            raise
+        if self._on_notif is not None:
+            self._on_notif(message, True)
+        return result
 
     def get_xfer_descs(self, *args: Any, **kwargs: Any) -> Any:
         record = ActiveRecord.get()

@@ -1,51 +1,79 @@
-"""D-side flow: the registration handed to the worker, PUSH_REG to P.
+"""D side: a receive from the registration vLLM hands the worker until the KV landed.
 
-Wrappers at the boundary of vLLM's push worker: they time the whole receive, open
-the request's receive span (child of the request's own trace context, which our
-scheduler puts into the registration) and register span, carry the W3C trace
-context in the PUSH_REG payload, tag the handshakes a registration starts, and
-count PUSH_REG notifications. (Receives start, and heartbeats are tagged, in the
-worker's per-step `start_load_kv`, see worker.py.)
+Wrappers at the boundary of vLLM's push worker: they time the whole receive, open the
+request's receive span (a child of the request's own trace context, which our
+scheduler puts into the registration) and register span, carry the W3C trace context
+and our capabilities in the PUSH_REG payload, tag the handshakes a registration
+starts, count PUSH_REG notifications, and act on PUSH_FAIL: a notification from P that
+the KV will never come, which fails that receive at once (vLLM then recomputes or
+fails the request, per `kv_load_failure_policy`) instead of after
+`push_registration_timeout`.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+from collections import deque
 from typing import Any
 
 from opentelemetry.trace import SpanKind
 
+from connector.glue.flow import Flow
+from connector.glue.wire import OUR_CAPS, count_blocks, decode_push_fail
 from connector.telemetry import errors
-from connector.telemetry.tracing import (
-    SpanEmitter,
-    extract_span,
-    inject_context,
-    peer_str,
-)
+from connector.telemetry.tracing import SpanEmitter, extract_span, inject_context, peer_str
 from connector.vocabulary import (
-    CAP_PUSH_FAIL,
+    PUSH_FAIL_NOTIF_PREFIX,
     PUSH_REG_CAPS_KEY,
     PUSH_REG_TRACE_KEY,
     REGISTRATION_TRACE_KEY,
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_REGISTER,
     Attr,
+    LeaseFate,
+    PushFailReason,
+    SpanEvent,
     TelemetryError,
     Trigger,
 )
 
 logger = logging.getLogger(__name__)
-# (A tuple, not `list | tuple`: that builds a union object at every call.)
-SEQUENCE_TYPES = (list, tuple)
-_CAPS = (CAP_PUSH_FAIL,)  # (read only: msgpack sends it as a list)
 
 
-class ReceiveFlow:
+class NotifInbox(queue.Queue):
+    """vLLM's writer -> main thread notification queue, with PUSH_FAILs set aside.
+
+    The writer thread forwards every NIXL notification that is not a PUSH_REG into
+    this queue; a PUSH_FAIL goes to `push_fails` instead (a deque: appends and pops
+    are atomic), so the main thread checks one deque per step and never takes other
+    notifications out and puts them back.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.push_fails: deque[bytes] = deque()
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if isinstance(item, bytes) and item.startswith(PUSH_FAIL_NOTIF_PREFIX):
+            self.push_fails.append(item)
+            return
+        super().put(item, block, timeout)
+
+
+class ReceiveFlow(Flow):
     """Mixin for `NixlPushConnectorWorker`: the decode side of a push."""
 
+    def _init_receive(self) -> None:
+        """Called at the end of the worker's `__init__`, before vLLM starts the writer
+        thread (`register_kv_caches`), so nothing queued is lost by the swap."""
+        inbox = NotifInbox()
+        old = self._pending_completion_notifs
+        while not old.empty():  # (defensive: carry over anything already queued)
+            inbox.put(old.get_nowait())
+        self._pending_completion_notifs = inbox
+
     def _start_receives(self, registrations: dict[str, dict[str, Any]]) -> None:
-        """Time every receive (histogram); open its span when tracing is on. (Called
-        from the worker's `start_load_kv` with the registrations vLLM hands over.)"""
         self._receive_clock.start_all(registrations)
         if self._spans.enabled:
             try:
@@ -59,18 +87,22 @@ class ReceiveFlow:
                 # The request's own trace (from our scheduler) or, without one, a root.
                 SPAN_PUSH_RECEIVE, parent=extract_span(reg.get(REGISTRATION_TRACE_KEY)),
                 kind=SpanKind.CONSUMER,
-                attributes=lambda req_id=req_id, reg=reg: {  # only for a span that may be kept
-                    Attr.REQUEST_ID: req_id,
-                    Attr.LOCAL_ENGINE_ID: self.engine_id,
-                    Attr.REMOTE_ENGINE_ID: peer_str(reg.get("remote_engine_id", "")),
-                    Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
+                attributes={Attr.REQUEST_ID: req_id,
+                            Attr.LOCAL_ENGINE_ID: self.engine_id,
+                            Attr.REMOTE_ENGINE_ID: peer_str(reg.get("remote_engine_id", "")),
+                            Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
 
+    def _end_receive_spans(self, req_id: str, error_type: str, message: str) -> None:
+        SpanEmitter.end(self._register_spans.pop(req_id), error_type=error_type, message=message)
+        SpanEmitter.end(self._receive_spans.pop(req_id), error_type=error_type, message=message)
+
+    # ------------------------------------------------------------- PUSH_REG out
     def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
-        # Tell P we understand PUSH_FAIL (push_fail.py); a stock P ignores the key. The
-        # copy is ours from here on (vLLM re-queues this very dict after a handshake, the
-        # key already in it), so the register span's context goes into it in place.
+        # Tell P we understand PUSH_FAIL; a stock P ignores the key. The copy is ours
+        # from here on (vLLM re-queues this very dict after a handshake, the key
+        # already in it), so the register span's context goes into it in place.
         if PUSH_REG_CAPS_KEY not in reg_data:
-            reg_data = {**reg_data, PUSH_REG_CAPS_KEY: _CAPS}
+            reg_data = {**reg_data, PUSH_REG_CAPS_KEY: OUR_CAPS}
         span = None
         if self._spans.enabled:
             try:
@@ -82,25 +114,22 @@ class ReceiveFlow:
         if span is None and self._writer_trigger is Trigger.PUSH_REG:
             super()._send_registration_to_p(req_id, reg_data)
         else:
-            self._in_scope(Trigger.PUSH_REG, span, super()._send_registration_to_p, req_id, reg_data)
+            self._run_triggered(Trigger.PUSH_REG, span, super()._send_registration_to_p,
+                                req_id, reg_data)
 
     def _open_register_span(self, req_id: str, reg_data: dict[str, Any]) -> Any:
         """The register span (reused when re-queued after a handshake); its trace context
-        is added to the PUSH_REG payload `reg_data` (our copy, see above)."""
+        goes into the PUSH_REG payload `reg_data` (our copy, see above)."""
         span = self._register_spans.get(req_id)
         if span is None:
             port = reg_data.get("remote_port", 0)
             span = self._spans.start(
-                SPAN_PUSH_REGISTER, parent=self._receive_spans.get(req_id),
-                kind=SpanKind.PRODUCER,
-                attributes=lambda: {  # built only for a span the sampler may keep
-                    Attr.REQUEST_ID: req_id,
-                    Attr.REMOTE_ENGINE_ID: peer_str(reg_data.get("remote_engine_id", "")),
-                    Attr.SERVER_ADDRESS: peer_str(reg_data.get("remote_host", "")),
-                    Attr.SERVER_PORT: port if type(port) is int else 0})
+                SPAN_PUSH_REGISTER, parent=self._receive_spans.get(req_id), kind=SpanKind.PRODUCER,
+                attributes={Attr.REQUEST_ID: req_id,
+                            Attr.REMOTE_ENGINE_ID: peer_str(reg_data.get("remote_engine_id", "")),
+                            Attr.SERVER_ADDRESS: peer_str(reg_data.get("remote_host", "")),
+                            Attr.SERVER_PORT: port if type(port) is int else 0})
             if span is not None and span.is_recording():
-                # (A dropped request's span is its receive span's context: nothing to
-                # end, and a re-queued PUSH_REG derives the same one again.)
                 self._register_spans.put(req_id, span)
         if PUSH_REG_TRACE_KEY not in reg_data:
             carrier = inject_context(span)
@@ -113,18 +142,17 @@ class ReceiveFlow:
 
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
         # (No lock: one dict lookup and a len() are atomic under the GIL. `dict.get`:
-        # the table hides an engine only from the handshake thread's own lookups; this
-        # is the writer thread, so the plain lookup is the same.)
+        # the table hides an engine only from the handshake thread's own lookups.)
         num_agents = len(dict.get(self._remote_agents, reg_data.get("remote_engine_id")) or ())
         self._trigger_local.reg_failures = 0
         super()._do_send_reg_notif(req_id, reg_data)
         failed = self._trigger_local.reg_failures if num_agents else 1
         try:
-            if num_agents:
-                if num_agents > failed:
-                    self.xfer_stats.record_push_reg_notif(sent=True, count=num_agents - failed)
-            else:
+            # (A failure to reach an agent is counted where vLLM logs it, `_log_failure`.)
+            if not num_agents:
                 self.xfer_stats.record_push_reg_notif(sent=False)
+            elif num_agents > failed:
+                self.xfer_stats.record_push_reg_notif(sent=True, count=num_agents - failed)
             if not self._spans.enabled:
                 return
             span = self._register_spans.pop(req_id)
@@ -136,13 +164,29 @@ class ReceiveFlow:
         except Exception as exc:
             errors.note(TelemetryError.STATS, exc)
 
+    # -------------------------------------------------------------- PUSH_FAIL in
+    def _take_push_fail_notifs(self) -> None:
+        pending = self._pending_completion_notifs.push_fails
+        while pending:
+            self._on_push_fail(pending.popleft())
 
-
-def count_blocks(block_ids: Any) -> int:
-    """Blocks in a flat or per-group block id list (for a span attribute)."""
-    if not block_ids:
-        return 0
-    first = block_ids[0]
-    if isinstance(first, SEQUENCE_TYPES):
-        return sum(map(len, block_ids))
-    return len(block_ids)
+    def _on_push_fail(self, notif: bytes) -> None:
+        parsed = decode_push_fail(notif)
+        if parsed is None:
+            logger.warning("Dropped a malformed PUSH_FAIL notification (%d bytes)", len(notif))
+            return
+        req_id, reason = parsed
+        if req_id not in self._recving_metadata:
+            logger.debug("PUSH_FAIL for request %s, which is not waiting here", peer_str(req_id))
+            return
+        logger.warning("Request %s: its prefill reports the KV will never be pushed (%s: the "
+                       "prefill's KV lease ended first); failing the KV load now instead of "
+                       "waiting for push_registration_timeout", peer_str(req_id), reason.value)
+        if reason is PushFailReason.LEASE_EXPIRED and self._spans.enabled:
+            try:
+                span = self._receive_spans.get(req_id)
+                if span is not None and span.is_recording():
+                    span.add_event(SpanEvent.LEASE_EXPIRED, {Attr.LEASE_FATE: LeaseFate.REGISTERED.value})
+            except Exception as exc:
+                errors.note(TelemetryError.SPAN, exc)
+        self._failed_recv_reqs.put(req_id)

@@ -14,12 +14,14 @@ Nothing here raises into vLLM's scheduling: a telemetry fault is logged and drop
 
 It also runs vLLM's side-channel listener under `listener.supervise` (see there): a
 bad request no longer ends the listener, and a port that cannot be bound is an error
-at start-up instead of a scheduler waiting forever.
+at start-up instead of a scheduler waiting forever; and on D it keeps how long each
+request has waited for its remote prefill (vLLM's heartbeat tracking knows which do).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
@@ -62,6 +64,32 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
         super().__init__(*args, **kwargs)
         # P: contexts of requests whose finished blocks ship with the next metadata.
         self._finished_trace_contexts: dict[str, dict[str, str]] = {}
+        # D: request id -> when it arrived, while vLLM heartbeats P for it (arrival order).
+        self._waiting_since: dict[str, float] = {}
+        self._waiting_reported_at = 0.0
+        self._waiting_report_owed = False
+
+    def on_new_request(self, request: Request) -> None:
+        super().on_new_request(request)
+        if request.request_id in self._heartbeat_req_engine:  # D: waits for a remote prefill
+            self._waiting_since[request.request_id] = time.monotonic()
+            self._waiting_report_owed = True
+
+    def remote_prefills_waiting(self, interval_s: float = 1.0) -> tuple[int, float] | None:
+        """(requests waiting for a remote prefill, oldest wait in s) at most once per
+        `interval_s` while any wait, and once more when the last is done; else None."""
+        if not self._waiting_since and not self._waiting_report_owed:
+            return None
+        now = time.monotonic()
+        if now - self._waiting_reported_at < interval_s:
+            return None
+        tracked = self._heartbeat_req_engine
+        for req_id in [r for r in self._waiting_since if r not in tracked]:
+            del self._waiting_since[req_id]
+        oldest = now - next(iter(self._waiting_since.values())) if self._waiting_since else 0.0
+        self._waiting_reported_at = now
+        self._waiting_report_owed = bool(self._waiting_since)
+        return len(self._waiting_since), oldest
 
     @staticmethod
     def _nixl_handshake_listener(encoded_data: Any, ready_event: Any, stop_event: Any,

@@ -1,14 +1,11 @@
 """The fork's push worker: vLLM's `NixlPushConnectorWorker`, observed and fixed.
 
-The class is assembled from one mixin per flow, each in its own module:
-- `connector.glue.handshakes.HandshakeFlow`: handshake flavor (D->P always
-  notification-only), dedup, kv_both upgrade, and the handshake cut into phases;
-- `connector.glue.receive.ReceiveFlow`: D side (registration, PUSH_REG, heartbeats);
-- `connector.glue.push.PushFlow`: P side (matched PUSH_REG until the WRITE is done).
-This module holds the state they share, the per-step entry points vLLM calls on the
-engine's main thread (`start_load_kv`, `get_transfer_results`, `get_kv_connector_stats`:
-one call each per step, handing work to the flows only when there is some), and the
-outcomes both sides see: vLLM's failure log and the transfer results.
+The class is vLLM's worker plus one mixin per flow (see connector/glue/flow.py, the
+interface between them). This module holds the state they share, the per-step entry
+points vLLM calls on the engine's main thread (`start_load_kv`,
+`get_transfer_results`, `get_kv_connector_stats`: one call each per step, handing
+work to the flows only when there is some), and the outcomes both sides see: vLLM's
+failure log and the transfer results.
 Telemetry never raises into the push flow and never blocks the writer thread.
 """
 
@@ -35,10 +32,10 @@ from connector.glue.cpu_affinity import EXTRA_CONFIG_KEY as AFFINITY_KEY
 from connector.glue.guard import check_worker
 from connector.glue.handshakes import DEFAULT_HANDSHAKE_TIMEOUT_MS, HandshakeFlow
 from connector.glue.host_settings import HostSettings
+from connector.glue.leases import LeaseFlow
 from connector.glue.nixl_probe import NixlAgentProbe
 from connector.glue.nixl_progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
 from connector.glue.push import PushFlow
-from connector.glue.push_fail import PushFailFlow
 from connector.glue.receive import ReceiveFlow
 from connector.glue.retry import RetryPolicy
 from connector.telemetry import errors
@@ -74,7 +71,7 @@ _SUCCESS, _FAILURE, _EXPIRED = (o.value for o in (ReceiveOutcome.SUCCESS, Receiv
                                                   ReceiveOutcome.EXPIRED))
 
 
-class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, NixlPushConnectorWorker):
+class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, NixlPushConnectorWorker):
     """See module docstring."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
@@ -102,7 +99,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         self._writer_trigger = {"kv_producer": Trigger.PUSH_WRITE,
                                 "kv_consumer": Trigger.PUSH_REG}.get(self._kv_role)
         self.xfer_stats = ObservedNixlStats()
-        self.nixl_wrapper = NixlAgentProbe(self.nixl_wrapper)
+        self.nixl_wrapper = NixlAgentProbe(self.nixl_wrapper, on_notif=self._notif_sent)
         self._remote_agents = RemoteAgentTable(self._remote_agents)
         # Engines connected notification-only, and the pending handshake job per engine
         # (its flavor, and whether a WRITE waits on it).
@@ -124,12 +121,11 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         self._pushing = BoundedIdSet()  # P: WRITEs posted, not yet reported done
         self._push_failed = BoundedIdSet()
         self._lease_expired = BoundedIdSet()  # P: reported done without a WRITE
-        self._init_push_fail()
         self._retry_policy = RetryPolicy.from_extra_config(extra)
-        # P: start the P->D handshake when D's PUSH_REG arrives (see push.py).
-        self._early_p_to_d = str(extra("early_p_to_d_handshake", True)).lower() not in ("false", "0")
-        self._write_deferred_at: dict[str, float] = {}
         self._in_flight = InFlight()
+        self._init_receive()
+        self._init_push()
+        self._init_leases()
 
     # ------------------------------------------------------------- every step
     # vLLM calls these on the engine's main thread every step, mostly with nothing
@@ -148,19 +144,28 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
             self._keep_request_contexts(metadata)
         if not metadata.heartbeat_by_engine:  # most steps
             super().start_load_kv(metadata)
-            return
-        # vLLM sends the step's heartbeats (`_send_heartbeats`) at the end of this call,
-        # the only place in it that may start a handshake: tag those as the heartbeat's
-        # (roots of their own traces).
-        self._in_scope(Trigger.HEARTBEAT, None, super().start_load_kv, metadata)
+        else:
+            # vLLM sends the step's heartbeats (`_send_heartbeats`) at the end of this
+            # call, the only place in it that may start a handshake: tag those as the
+            # heartbeat's (roots of their own traces).
+            self._run_triggered(Trigger.HEARTBEAT, None, super().start_load_kv, metadata)
+        if metadata.reqs_to_send:  # P: leases granted this step
+            try:
+                self._note_leases_granted(metadata.reqs_to_send)
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """vLLM's per-step stats, plus the in-flight handshakes and telemetry faults."""
-        if self._in_flight.to_report or errors.pending:
+        """vLLM's per-step stats, plus the in-flight handshakes, the leases held and
+        telemetry faults."""
+        if self._in_flight.to_report or errors.pending or self._lease_granted or \
+                self._leases_report_owed:
             try:
                 snapshot = self._in_flight.snapshot()
                 if snapshot is not None:
                     self.xfer_stats.set_in_flight(snapshot)
+                if self._lease_granted or self._leases_report_owed:
+                    self._report_leases()
                 lost = errors.drain()
                 if lost:
                     self.xfer_stats.record_telemetry_errors(lost)
@@ -223,8 +228,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
         if failure_type in _PUSH_FAILURES and self._kv_role != "kv_consumer":
             self._mark_push_failed(req_id, failure_type, str(why))
         elif failure_type in _RECEIVE_FAILURES:
-            SpanEmitter.end(self._register_spans.pop(req_id), error_type=failure_type, message=str(why))
-            SpanEmitter.end(self._receive_spans.pop(req_id), error_type=failure_type, message=str(why))
+            self._end_receive_spans(req_id, failure_type, str(why))
 
     def _account_results(self, results: KVConnectorTransferResults) -> None:
         tracing = self._spans.enabled  # (without it the span tables stay empty: no lookups)
@@ -235,18 +239,21 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, PushFailFlow, Nix
                 self._pushing.pop(req_id, None)
                 self._push_failed.pop(req_id, None)
                 if not pushed:
-                    self._lease_expired.add(req_id)
-                    self._note_lease_expired(req_id)
+                    self._note_lease_ended_unpushed(req_id)
             if pushed and not failed:
                 self.xfer_stats.record_push_completed()
             if tracing:
                 span = self._write_spans.pop(req_id)
                 self._request_contexts.pop(req_id)
+                if span is not None:
+                    self._lease_events(req_id, span)
                 if pushed and not failed:
                     SpanEmitter.end(span)
                 elif span is not None:
                     SpanEmitter.end(span, error_type="lease_expired",
                                     message="KV lease ended before the WRITE completed")
+        if results.finished_sending:
+            self._leases_ended(results.finished_sending)
         clock = self._receive_clock
         record = self.xfer_stats.record_receive
         for req_id in results.finished_recving:

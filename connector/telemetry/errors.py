@@ -53,9 +53,3 @@ def drain() -> dict[str, int]:
         out = dict(_counts)
         _counts.clear()
     return out
-
-
-def reset_for_tests() -> None:
-    with _lock:
-        _counts.clear()
-        _warned.clear()

@@ -108,6 +108,15 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._child(V.TELEMETRY_ERRORS, idx, lost.value)
             for why in V.SideChannelRejection:
                 self._child(V.SIDE_CHANNEL_REJECTED, idx, why.value)
+            for renewal in V.LeaseRenewal:
+                self._child(V.KV_LEASE_RENEWALS, idx, renewal.value)
+            for fate in V.LeaseFate:
+                self._child(V.KV_LEASE_EXPIRIES, idx, fate.value)
+            self._child(V.KV_LEASES_REAPED_LATE, idx)
+            for outcome in V.NotifOutcome:
+                self._child(V.HEARTBEATS, idx, outcome.value)
+            for gauge in _SNAPSHOT_GAUGES:
+                self._child(gauge, idx).set(0)
         self._init_degraded_gauge(list(labelnames))
 
     # -- start-up guard verdict (connector/glue/guard.py) ----------------------------
@@ -168,19 +177,15 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._observe_receive(rec, idx)
             except Exception:
                 self._drop("receive", rec, idx)
-        counts = (
-            (StatKey.PUSH_REG_SENT, V.PUSH_REG_NOTIFS, V.NotifOutcome.SENT.value),
-            (StatKey.PUSH_REG_FAILED, V.PUSH_REG_NOTIFS, V.NotifOutcome.FAILED.value),
-            (StatKey.PUSHES_STARTED, V.PUSHES, V.PushEvent.STARTED.value),
-            (StatKey.PUSHES_COMPLETED, V.PUSHES, V.PushEvent.COMPLETED.value),
-            (StatKey.PUSHES_FAILED, V.PUSHES, V.PushEvent.FAILED.value),
-        )
-        for key, spec, label in counts:
+        for key, spec, *label in _COUNTS:
             values = data.get(key)
             if not values:
                 continue
             try:
-                self._child(spec, idx, label).inc(sum(values))
+                total = sum(values)
+                if not isinstance(total, int) or total < 0:
+                    raise ValueError(f"bad count {total!r}")
+                self._child(spec, idx, *label).inc(total)
             except Exception:
                 self._drop(key, values, idx)
         labelled = (
@@ -188,6 +193,8 @@ class ObservedPromMetrics(NixlPromMetrics):
             (StatKey.PUSH_REG_REJECTED, V.PUSH_REG_REJECTED, V.PushRegRejection),
             (StatKey.TELEMETRY_ERRORS, V.TELEMETRY_ERRORS, V.TelemetryError),
             (StatKey.SIDE_CHANNEL_REJECTED, V.SIDE_CHANNEL_REJECTED, V.SideChannelRejection),
+            (StatKey.LEASE_RENEWALS, V.KV_LEASE_RENEWALS, V.LeaseRenewal),
+            (StatKey.LEASE_EXPIRIES, V.KV_LEASE_EXPIRIES, V.LeaseFate),
         )
         for key, spec, closed in labelled:
             values = data.get(key)
@@ -206,6 +213,19 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._observe_in_flight(snapshots, idx)
             except Exception:
                 self._drop(StatKey.IN_FLIGHT, snapshots, idx)
+        for key, (count_gauge, age_gauge) in _SNAPSHOTS.items():
+            snapshots = data.get(key)
+            if not snapshots:
+                continue
+            try:
+                # Workers of one engine hold the same requests: the largest one counts.
+                pairs = [(int(n), float(age)) for n, age in snapshots]
+                if any(n < 0 or age < 0 for n, age in pairs):
+                    raise ValueError(f"negative {key} snapshot")
+                self._child(count_gauge, idx).set(max(n for n, _ in pairs))
+                self._child(age_gauge, idx).set(max(age for _, age in pairs))
+            except Exception:
+                self._drop(key, snapshots, idx)
 
     def _observe_in_flight(self, snapshots: list[dict[str, list[float]]], idx: int) -> None:
         """Sum the workers' snapshots of one step; every series not reported is 0."""
@@ -277,11 +297,34 @@ class ObservedPromMetrics(NixlPromMetrics):
         observe(self._child(V.RECEIVE_DURATION, idx, outcome), duration,
                 exemplar_of(rec.get("trace_id"), rec.get("span_id")))
 
+# Stats keys holding counts, with the metric (and label value) they add to.
+_COUNTS: tuple[tuple[Any, ...], ...] = (
+    (StatKey.PUSH_REG_SENT, V.PUSH_REG_NOTIFS, V.NotifOutcome.SENT.value),
+    (StatKey.PUSH_REG_FAILED, V.PUSH_REG_NOTIFS, V.NotifOutcome.FAILED.value),
+    (StatKey.PUSHES_STARTED, V.PUSHES, V.PushEvent.STARTED.value),
+    (StatKey.PUSHES_COMPLETED, V.PUSHES, V.PushEvent.COMPLETED.value),
+    (StatKey.PUSHES_FAILED, V.PUSHES, V.PushEvent.FAILED.value),
+    (StatKey.LEASES_REAPED_LATE, V.KV_LEASES_REAPED_LATE),
+    (StatKey.HEARTBEATS_SENT, V.HEARTBEATS, V.NotifOutcome.SENT.value),
+    (StatKey.HEARTBEATS_FAILED, V.HEARTBEATS, V.NotifOutcome.FAILED.value),
+)
+# Snapshot keys ([[count, oldest_age_s], ...]) and the two gauges each sets.
+_SNAPSHOTS = {
+    StatKey.LEASES: (V.KV_LEASES_HELD, V.KV_LEASE_OLDEST_AGE),
+    StatKey.REMOTE_PREFILLS: (V.REMOTE_PREFILLS_WAITING, V.REMOTE_PREFILL_OLDEST_WAIT),
+}
+_SNAPSHOT_GAUGES = tuple(g for pair in _SNAPSHOTS.values() for g in pair)
+
+
 def _reusing(cls: Any) -> Any:
     """`cls` as a factory that hands back the already-registered metric on a duplicate.
 
     Only the default registry is searched (vLLM's classes register there, in
     multiprocess mode too); a duplicate of another type or label set still raises.
+    prometheus_client has no public way to look up a registered collector by name,
+    so this is the one place in `connector/` that reads its private attributes
+    (`_names_to_collectors`, `_labelnames`); should they change, the duplicate
+    raises as it would without this factory.
     """
 
     def make(*args: Any, **kwargs: Any) -> Any:

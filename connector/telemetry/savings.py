@@ -84,42 +84,10 @@ def remote_region_blocks(meta: Any, layout: LocalLayout | None = None) -> list[i
     return per_region
 
 
-def remote_descriptor_count(meta: Any, local_regions: int | None = None,
-                            local_region_offset: int = 0, *,
-                            layout: LocalLayout | None = None) -> int:
-    """Descriptors in the remote list a full handshake prepares for one remote rank.
-
-    `meta` is a decoded `NixlAgentMetadata`. `layout` describes this worker; the older
-    `local_regions`/`local_region_offset` pair (a PP layer slice) is still accepted.
-    """
-    if layout is None and local_regions is not None:
-        layout = LocalLayout(block_size=0, num_descs=0,
-                             pp_window=(local_region_offset, local_regions))
+def remote_descriptor_count(meta: Any, layout: LocalLayout | None = None) -> int:
+    """Descriptors in the remote list a full handshake prepares for one remote rank
+    (`meta`, a decoded `NixlAgentMetadata`, as laid out for this worker's `layout`)."""
     return int(sum(remote_region_blocks(meta, layout)))
-
-
-def full_handshake_saving(meta: Any, layout: LocalLayout | None = None, *,
-                          registered_block_sizes: set[int],
-                          local_block_size: int | None = None, local_num_descs: int | None = None,
-                          local_regions: int | None = None,
-                          local_region_offset: int = 0) -> Saving:
-    """Registrations/descriptors a full handshake to this remote rank would add.
-
-    Pass `layout` (`LocalLayout.of_worker(worker)`); the keyword form with
-    `local_block_size`/`local_num_descs`/`local_regions` covers PP slicing only.
-    """
-    if layout is None:
-        layout = LocalLayout(
-            block_size=int(local_block_size or 0), num_descs=int(local_num_descs or 0),
-            pp_window=(local_region_offset, local_regions) if local_regions is not None else None)
-    regs = 1
-    descs = remote_descriptor_count(meta, layout=layout)
-    remote_block_size = int(meta.block_size)
-    if remote_block_size < layout.block_size and remote_block_size not in registered_block_sizes:
-        ratio = layout.block_size // remote_block_size
-        regs += 1
-        descs += layout.num_descs * ratio
-    return Saving(regs, descs)
 
 
 # --- Shape-aware counting (heterogeneous TP, PP producers, block sizes) -------------

@@ -111,6 +111,33 @@ class ObservedNixlStats(NixlKVConnectorStats):
             self.data[StatKey.IN_FLIGHT] = [snapshot]
             self._has_ours = True
 
+    # -- KV leases (P) and heartbeats (D) ------------------------------------------
+    def record_lease_renewals(self, outcomes: dict[str, int]) -> None:
+        """Heartbeat ids by what they matched (LeaseRenewal values)."""
+        self._extend_counts(StatKey.LEASE_RENEWALS, outcomes)
+
+    def record_lease_expiry(self, fate: str, late: bool) -> None:
+        with _LOCK:
+            self.data.setdefault(StatKey.LEASE_EXPIRIES, []).append(fate)
+            if late:
+                self.data.setdefault(StatKey.LEASES_REAPED_LATE, []).append(1)
+            self._has_ours = True
+
+    def set_leases(self, held: int, oldest_age_s: float) -> None:
+        """This worker's leases now (a snapshot: the API server keeps the latest)."""
+        with _LOCK:
+            self.data[StatKey.LEASES] = [[held, oldest_age_s]]
+            self._has_ours = True
+
+    def record_heartbeat(self, sent: bool) -> None:
+        self._append(StatKey.HEARTBEATS_SENT if sent else StatKey.HEARTBEATS_FAILED, 1)
+
+    def set_remote_prefills(self, waiting: int, oldest_wait_s: float) -> None:
+        """D's scheduler: requests waiting for a remote prefill now (a snapshot)."""
+        with _LOCK:
+            self.data[StatKey.REMOTE_PREFILLS] = [[waiting, oldest_wait_s]]
+            self._has_ours = True
+
     def record_receive(self, outcome: str, seconds: float, ids: tuple[str, str] | None) -> None:
         """One D-side receive; `ids` (trace id, span id) of its span become the exemplar.
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -26,7 +25,6 @@ from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link, SpanKin
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from connector.telemetry import errors
-from connector.telemetry.lean_span import LeanTracer, lean_spans_wanted, new_span_context
 from connector.telemetry.record import HandshakeRecord
 from connector.vocabulary import (
     MAX_PEER_STRING,
@@ -44,7 +42,6 @@ logger = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
 _setup_lock = threading.Lock()
 _own_provider: Any = None
-_own_processor: Any = None
 
 
 def _env_endpoint() -> str | None:
@@ -65,9 +62,9 @@ def make_span_exporter(endpoint: str) -> Any:
     """OTLP exporter for `endpoint` with the protocol the environment asks for."""
     protocol = _protocol()
     if protocol == "grpc":
-        from connector.telemetry.otlp_export import WireGrpcSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        return WireGrpcSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https"))
+        return OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https"))
     if protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -125,7 +122,6 @@ def use_os_entropy(provider: Any) -> None:
 
 def resolve_tracer(otlp_traces_endpoint: str | None = None) -> trace.Tracer | None:
     """The tracer our spans go to, or None when tracing is off."""
-    global _own_provider
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return None
     if os.environ.get("OTEL_TRACES_EXPORTER", "").lower() == "none":
@@ -133,9 +129,7 @@ def resolve_tracer(otlp_traces_endpoint: str | None = None) -> trace.Tracer | No
     from opentelemetry.sdk.trace import TracerProvider
 
     installed = trace.get_tracer_provider()
-    if installed is _own_provider and installed is not None:
-        return own_tracer(_own_provider, _own_processor)
-    if isinstance(installed, TracerProvider):
+    if isinstance(installed, TracerProvider):  # vLLM's worker tracer, the user's, or ours
         use_os_entropy(installed)
         return installed.get_tracer(TRACER_NAME)
     endpoint = otlp_traces_endpoint or _env_endpoint()
@@ -144,127 +138,70 @@ def resolve_tracer(otlp_traces_endpoint: str | None = None) -> trace.Tracer | No
     with _setup_lock:
         if _own_provider is None:
             install_provider(make_span_exporter(endpoint))
-        return own_tracer(_own_provider, _own_processor)
-
-
-def own_tracer(provider: Any, processor: Any) -> Any:
-    """Lean spans on the provider we installed while our batch processor is its only
-    one (`lean_span.py`); the SDK's tracer otherwise."""
-    if processor is not None and lean_spans_wanted():
-        tracer = LeanTracer(provider, processor, TRACER_NAME)
-        if tracer.is_current():
-            return tracer
-    return provider.get_tracer(TRACER_NAME)
+        return trace.get_tracer_provider().get_tracer(TRACER_NAME)
 
 
 def install_provider(exporter: Any) -> Any:
-    """Install our SDK provider: `exporter` behind a batch processor, losses counted.
+    """Install our SDK provider: `exporter` behind the SDK's batch processor.
 
-    Export runs on the processor's thread; a full queue drops (counted as
-    `spans_dropped`), a failing or raising exporter is counted per span
-    (`span_export_failed`); neither ever reaches the thread that ended the span.
+    Only where nothing installed a provider before us (under `vllm serve` with an
+    OTLP endpoint, vLLM installs its own in every engine process). Export runs on the
+    processor's thread; what the back-end loses is counted (`export_guard`).
     """
-    global _own_provider, _own_processor
+    global _own_provider
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    from connector.telemetry.export_guard import CountingBatchSpanProcessor, CountingExporter
+    from connector.telemetry.export_guard import counted_batch_processor
 
     resource = Resource.create(
         {"service.name": os.environ.get("OTEL_SERVICE_NAME", "vllm"),
          "vllm.process_id": str(os.getpid())}
     )
     provider = TracerProvider(resource=resource, id_generator=PrivateRandomIdGenerator())
-    processor = CountingBatchSpanProcessor(CountingExporter(exporter))
-    provider.add_span_processor(processor)
+    provider.add_span_processor(counted_batch_processor(exporter))
     trace.set_tracer_provider(provider)
     _own_provider = trace.get_tracer_provider()
-    if not isinstance(_own_provider, TracerProvider):  # someone else won
-        _own_provider = provider
-    _own_processor = processor if _own_provider is provider else None
     return _own_provider
-
-
-# A version-00 `traceparent` as we and vLLM write it (lower-case hex): one C match.
-_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
-
-
-def _traceparent(span_context: Any) -> str:
-    """W3C `traceparent` (version 00) of a span context."""
-    return (f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-"
-            f"{int(span_context.trace_flags):02x}")
-
-
-def _parse_traceparent(value: str) -> Any:
-    """A remote span context from a version-00 `traceparent`, else None (the SDK's
-    propagator then parses it, and rejects what is malformed)."""
-    match = _TRACEPARENT.fullmatch(value)
-    if match is None:
-        return None
-    trace_hex, span_hex, flags_hex = match.groups()
-    trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
-    if trace_id == INVALID_TRACE_ID or span_id == INVALID_SPAN_ID:
-        return None
-    flags = _FLAGS.get(flags_hex)
-    if flags is None:
-        flags = trace.TraceFlags(int(flags_hex, 16))
-    return new_span_context(trace_id, span_id, True, flags)
-
-
-# The flags nearly every traceparent carries (dropped, sampled), made once.
-_FLAGS = {"00": trace.TraceFlags(0), "01": trace.TraceFlags(1)}
 
 
 def inject_context(span: Any) -> dict[str, str]:
     """W3C trace-context carrier for `span` (empty for none or an invalid one).
 
     A span the sampler dropped is carried too (flags without the sampled bit): the
-    peer then drops its spans of this request instead of deciding afresh, and skips
-    creating them.
+    peer's parent-based sampler then drops its spans of this request as well.
     """
     carrier: dict[str, str] = {}
     if span is None:
         return carrier
     try:
-        span_context = span.get_span_context()
-        if not span_context.is_valid:
-            return carrier
-        if not span_context.trace_state:
-            carrier["traceparent"] = _traceparent(span_context)  # the common case, without a Context
-            return carrier
-        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        if span.get_span_context().is_valid:
+            _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
     except Exception as exc:
         errors.note(TelemetryError.SPAN, exc)
     return carrier
 
 
+# What a peer may send as trace context: the W3C keys only, at their real sizes.
+_CARRIER_LIMITS = {"traceparent": 64, "tracestate": 512}
+_MAX_CARRIER_KEYS = 8
+
+
 def extract_span(carrier: Any) -> Any:
-    """The remote span a carrier dict names, as a non-recording span (a parent or a link
-    for ours: no OTel context is built around it); None for a missing or malformed
-    carrier."""
-    if not carrier or (type(carrier) is not dict and not isinstance(carrier, Mapping)):
-        return None  # (a plain dict, what msgpack gives, skips the ABC check)
-    if len(carrier) > 8:
+    """The remote span a carrier dict names (a non-recording span, to parent or link
+    ours on); None for a missing or malformed carrier. A peer controls the carrier:
+    only well-formed W3C keys are read, and a bad one is counted."""
+    if not carrier or not isinstance(carrier, Mapping):
+        return None
+    if len(carrier) > _MAX_CARRIER_KEYS:
         errors.note(TelemetryError.TRACE_CONTEXT, f"{len(carrier)} keys", exc_info=False)
         return None
     try:
-        if len(carrier) == 1:  # the common case: a traceparent alone, as we send it
-            value = carrier.get("traceparent")
-            if type(value) is str and len(value) <= 64:
-                span_context = _parse_traceparent(value)
-                if span_context is not None:
-                    return trace.NonRecordingSpan(span_context)
-        # A peer controls this: keep only the W3C keys, at their real sizes.
         clean = {k: v for k, v in carrier.items()
-                 if k in ("traceparent", "tracestate") and isinstance(v, str)
-                 and len(v) <= (64 if k == "traceparent" else 512)}
+                 if k in _CARRIER_LIMITS and isinstance(v, str) and len(v) <= _CARRIER_LIMITS[k]}
         if "traceparent" not in clean:
             errors.note(TelemetryError.TRACE_CONTEXT, "no usable traceparent", exc_info=False)
             return None
-        if "tracestate" not in clean:
-            span_context = _parse_traceparent(clean["traceparent"])
-            if span_context is not None:  # the common case, without the propagator's regex
-                return trace.NonRecordingSpan(span_context)
         span = trace.get_current_span(_PROPAGATOR.extract(clean))
         if span.get_span_context().is_valid:
             return span
@@ -331,45 +268,19 @@ class SpanEmitter:
         self.tracer = tracer
         # A plain attribute, not a property: the push path tests it per request and step.
         self.enabled = tracer is not None
-        # Ours takes a parent span as it is (no OTel context built per span).
-        self._under = tracer.start_under if isinstance(tracer, LeanTracer) else None
 
-    def start(self, name: str, parent: Any = None,
-              attributes: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
+    def start(self, name: str, parent: Any = None, attributes: Mapping[str, Any] | None = None,
               kind: SpanKind = SpanKind.INTERNAL, links: list[Link] | None = None) -> Any:
         """Start a span as a child of `parent` (a span: ours, or a remote one from
-        `extract_span`).
-
-        A None parent makes a root span (never the thread's current span). A parent
-        the sampler dropped gives a non-recording span at no SDK cost; `attributes`
-        may be a function, called only when the SDK is asked.
-        """
+        `extract_span`); a None parent makes a root span, never the thread's current
+        span. The provider's sampler decides as for any SDK span."""
         if self.tracer is None:
             return None
         try:
-            under = self._under
-            if parent is None:
-                if under is not None:
-                    return under(name, None, kind, attributes, links)
-                parent = otel_context.Context()
-            else:
-                span_context = parent.get_span_context()
-                if span_context.is_valid and not span_context.trace_flags.sampled:
-                    # The sampler dropped the parent, so it drops this child (every SDK
-                    # sampler decides per trace or follows the parent): skip the SDK.
-                    return trace.NonRecordingSpan(span_context)
-                if under is not None:
-                    return under(name, parent, kind, attributes, links)
-                parent = trace.set_span_in_context(parent)
-            if callable(attributes):
-                if getattr(self.tracer, "decides_before_attributes", False):
-                    # The lean tracer asks the sampler first and builds them only for a
-                    # span it keeps (a dropped root request builds none).
-                    return self.tracer.start_span(name, context=parent, kind=kind,
-                                                  attributes=attributes, links=links)
-                attributes = attributes()
-            return self.tracer.start_span(name, context=parent, kind=kind,
-                                          attributes=dict(attributes or {}), links=links)
+            context = (otel_context.Context() if parent is None
+                       else trace.set_span_in_context(parent))
+            return self.tracer.start_span(name, context=context, kind=kind,
+                                          attributes=attributes, links=links)
         except Exception as exc:
             errors.note(TelemetryError.SPAN, exc)
             return None

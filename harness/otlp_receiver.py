@@ -1,7 +1,7 @@
 """Local OTLP trace receivers (what Jaeger and the OTel Collector ingest), for tests and the demo.
 
 Both decode the real OTLP protobuf (`ExportTraceServiceRequest`) into flat span dicts
-in the same shape as `connector.testing.spans.span_to_dict`.
+in the same shape as `harness.spans.span_to_dict`.
 """
 
 from __future__ import annotations

@@ -1,1 +1,0 @@
-"""Test support shipped with the package (in-memory span capture, metric registries)."""

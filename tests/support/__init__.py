@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (never shipped: the wheel holds `connector/` only)."""
