@@ -72,6 +72,13 @@ class DescriptorList(_Vocab):
     LOCAL = "local"
 
 
+class NoSaving(_Vocab):
+    """Why a notification-only handshake saved nothing: a full one would prepare nothing."""
+
+    PP_PRODUCER = "pp_producer"  # vLLM never prepares descriptors for a PP producer
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"  # local block size not a multiple of the remote's
+
+
 class PushEvent(_Vocab):
     STARTED = "started"
     COMPLETED = "completed"
@@ -203,6 +210,8 @@ class Attr:
     DESCRIPTORS_REGISTERED = "vllm.nixl.descriptors_registered"
     DESCRIPTOR_REGISTRATIONS_SAVED = "vllm.nixl.descriptor_registrations_saved"
     DESCRIPTORS_SAVED = "vllm.nixl.descriptors_saved"
+    # Set when a notification-only handshake saved nothing, with the NoSaving reason.
+    NOTHING_SAVED_BECAUSE = "vllm.nixl.descriptors_saved.none_because"
     REQUEST_ID = "gen_ai.request.id"
     REMOTE_REQUEST_ID = "vllm.nixl.remote_request_id"
     NUM_BLOCKS = "vllm.nixl.push.num_blocks"

@@ -8,9 +8,10 @@ from types import SimpleNamespace
 from connector.telemetry.savings import (
     LocalLayout,
     LocalListLedger,
-    full_handshake_possible,
     shape_aware_saving,
+    why_no_full_handshake,
 )
+from connector.vocabulary import NoSaving
 
 
 def meta(block_size: int = 32, regions: int = 2, blocks: int = 24) -> SimpleNamespace:
@@ -51,8 +52,9 @@ def test_nothing_is_saved_where_a_full_handshake_cannot_happen():
     assert saving(meta(), LocalListLedger(), remote_pp=2) == (0, 0)
     # A larger remote block: vLLM's block_size_ratio asserts before preparing anything.
     assert saving(meta(block_size=64), LocalListLedger()) == (0, 0)
-    assert not full_handshake_possible(64, 32, 1)
-    assert full_handshake_possible(16, 32, 1) and not full_handshake_possible(32, 32, 2)
+    assert why_no_full_handshake(64, 32, 1) is NoSaving.BLOCK_SIZE_MISMATCH
+    assert why_no_full_handshake(32, 32, 2) is NoSaving.PP_PRODUCER
+    assert why_no_full_handshake(16, 32, 1) is None and why_no_full_handshake(32, 32, 1) is None
 
 
 def test_smaller_remote_block_adds_one_local_list_once():

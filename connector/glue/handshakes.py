@@ -408,6 +408,11 @@ class HandshakeFlow(Flow):
             return
         record.saved_registrations += saving.registrations
         record.saved_descriptors += saving.descriptors
+        if saving.none_because and not record.nothing_saved_because:
+            record.nothing_saved_because = saving.none_because
+            logger.info("notification-only handshake to %s saves no descriptors (%s): a full one "
+                        "would prepare none either", peer_str(record.remote_engine_id),
+                        saving.none_because)
 
     # ------------------------------------------------- phase hooks inside vLLM
     @staticmethod

@@ -121,6 +121,7 @@ class HandshakeRecord:
     )
     saved_registrations: int = 0
     saved_descriptors: int = 0
+    nothing_saved_because: str = ""  # NoSaving value, when a full handshake prepares nothing
     # OTel context of whoever triggered the handshake (not serialized).
     parent_context: Any = None
     # Ids of the emitted spans (hex), for exemplars; empty when tracing is off.

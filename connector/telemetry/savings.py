@@ -22,11 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from connector.vocabulary import NoSaving
+
 
 @dataclass(frozen=True)
 class Saving:
     registrations: int
     descriptors: int
+    # Why nothing was saved where a full handshake would prepare nothing (NoSaving value).
+    none_because: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,16 +113,20 @@ class LocalListLedger:
     tp_splits: set[tuple[int, int]] = field(default_factory=set)
 
 
-def full_handshake_possible(remote_block_size: int, local_block_size: int, remote_pp_size: int) -> bool:
-    """Whether vLLM's full `add_remote_agent` can succeed against this peer.
+def why_no_full_handshake(remote_block_size: int, local_block_size: int,
+                          remote_pp_size: int) -> NoSaving | None:
+    """Why vLLM's full `add_remote_agent` would prepare nothing against this peer.
 
-    It cannot when the local block size is not a multiple of the remote one
-    (`TransferTopology.block_size_ratio` asserts before any list is prepared),
-    nor for a PP producer (each PP rank advertises only its layer slice, and vLLM
-    never handshakes a PP producer fully). Nothing is saved where nothing would
-    have been prepared.
+    A PP producer: each PP rank advertises only its layer slice, and vLLM never
+    handshakes a PP producer fully. A local block size that is not a multiple of
+    the remote one: `TransferTopology.block_size_ratio` asserts before any list is
+    prepared. Nothing is saved where nothing would have been prepared.
     """
-    return remote_pp_size <= 1 and remote_block_size > 0 and local_block_size % remote_block_size == 0
+    if remote_pp_size > 1:
+        return NoSaving.PP_PRODUCER
+    if remote_block_size <= 0 or local_block_size % remote_block_size:
+        return NoSaving.BLOCK_SIZE_MISMATCH
+    return None
 
 
 def shape_aware_saving(meta: Any, layout: LocalLayout, *, local_tp_size: int, remote_tp_size: int,
@@ -134,8 +142,9 @@ def shape_aware_saving(meta: Any, layout: LocalLayout, *, local_tp_size: int, re
     Updates `ledger` so each local list counts once per worker.
     """
     remote_block_size = int(meta.block_size)
-    if not full_handshake_possible(remote_block_size, layout.block_size, remote_pp_size):
-        return Saving(0, 0)
+    reason = why_no_full_handshake(remote_block_size, layout.block_size, remote_pp_size)
+    if reason is not None:
+        return Saving(0, 0, reason.value)
     regs, descs = 1, remote_descriptor_count(meta, layout=layout)
     ratio = layout.block_size // remote_block_size
     if ratio > 1 and remote_block_size not in registered_block_sizes | ledger.block_sizes:

@@ -333,6 +333,8 @@ class SpanEmitter:
             Attr.DESCRIPTOR_REGISTRATIONS_SAVED: record.saved_registrations,
             Attr.DESCRIPTORS_SAVED: record.saved_descriptors,
         }
+        if record.nothing_saved_because:
+            attrs[Attr.NOTHING_SAVED_BECAUSE] = record.nothing_saved_because
         if failed and record.error_type is not None:
             attrs[Attr.ERROR_TYPE] = record.error_type.value
         span = self.tracer.start_span(
