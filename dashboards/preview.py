@@ -3,10 +3,11 @@
     python -m dashboards.preview [--out PATH] [--batches N]
 
 Starts the two-process push harness, serves P's and D's metrics front ends, starts a
-real Prometheus scraping both (1 s) with our rules, drives batches of pushes for about
-a minute, then runs each selected panel's own queries (from the generated dashboard,
-variables filled in as Grafana would) through `query_range`/`query` and draws them with
-matplotlib in the dashboard's layout order. Takes about two minutes.
+real Prometheus scraping both (1 s) with our rules, drives batches of pushes (each
+batch's stats observed and scraped, then a few idle scrapes), then runs each selected
+panel's own queries (from the generated dashboard, variables filled in as Grafana
+would) through `query_range`/`query` and draws them with matplotlib in the dashboard's
+layout order. Takes about two minutes.
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dashboards import generate, promrun
+from connector import vocabulary as V
+from dashboards import panels, promrun
+from harness.poll import wait_until
 
-OUT = generate.ROOT / "preview" / "nixl-push-handshakes.png"
+OUT = Path(__file__).resolve().parent / "preview" / "nixl-push-handshakes.png"
 JOB = "vllm"
 STEP_S = 1.0
 RATE_INTERVAL = "10s"
+# Scrapes (1 s apart) between batches, and idle ones before the first and after the last.
+SCRAPES_BETWEEN = 4
+SCRAPES_IDLE = 8
 
 STATS = ("D->P handshakes that were notification-only", "Full D->P handshakes",
          "Descriptor registrations saved", "Descriptors saved")
@@ -56,21 +62,37 @@ def _fmt(value: float, unit: str, decimals: int | None = None) -> str:
     return f"{value:.0f}" if float(value).is_integer() else f"{value:.2f}"
 
 
-def _drive(h: Any, fronts: dict[str, Any], batches: int, pause_s: float) -> None:
-    """Batches of pushes, observing the engines' stats into the front ends as they arrive."""
+def _idle(prom: promrun.PrometheusServer, instances: list[str], scrapes: int) -> None:
+    """Let Prometheus scrape every target `scrapes` more times (the charts' idle stretches)."""
+    for _ in range(scrapes):
+        prom.wait_scraped_after(JOB, instances, time.time())
+
+
+def _drive(h: Any, fronts: dict[str, Any], prom: promrun.PrometheusServer, instances: list[str],
+           batches: int) -> None:
+    """Batches of pushes: each one's stats observed into the front ends and scraped."""
     sizes = [4, 2, 6, 3, 5, 4, 2, 6, 4, 3, 5, 4]
+    completed, expected = 0, 0
+
+    def observed() -> bool:
+        nonlocal completed
+        for name, fe in fronts.items():
+            stats = h.stats(name)
+            fe.observe(stats)
+            completed += sum(sum(d.get(V.StatKey.PUSHES_COMPLETED, [])) for d in stats)
+        return completed >= expected
+
     for i in range(batches):
         report = h.push(sizes[i % len(sizes)])
         if not report.ok:
             raise RuntimeError(f"push batch {i} failed: {report}")
-        deadline = time.monotonic() + pause_s
-        while time.monotonic() < deadline:
-            for name, fe in fronts.items():
-                fe.observe(h.stats(name))
-            time.sleep(0.5)
+        expected += sizes[i % len(sizes)]
+        wait_until(observed, f"stats of push batch {i} ({expected} pushes completed)", 30, 0.2,
+                   last=lambda: completed)
+        _idle(prom, instances, SCRAPES_BETWEEN)
 
 
-def collect(batches: int = 10, pause_s: float = 4.0, idle_s: float = 8.0) -> dict[str, Any]:
+def collect(batches: int = 10) -> dict[str, Any]:
     """Run harness + Prometheus; return every selected panel's query results."""
     from harness import PushHarness
 
@@ -85,13 +107,10 @@ def collect(batches: int = 10, pause_s: float = 4.0, idle_s: float = 8.0) -> dic
                 prom.wait_for(f'min(count_over_time(up{{job="{JOB}"}}[1m]))', lambda v: (v or 0) >= 3,
                               what="three scrapes of both front ends")
                 start = time.time()
-                time.sleep(idle_s)
-                _drive(h, fronts, batches, pause_s)
-                time.sleep(idle_s)
-                for name, fe in fronts.items():
-                    fe.observe(h.stats(name))
-                time.sleep(3)
-                end = time.time()
+                _idle(prom, instances, SCRAPES_IDLE)
+                _drive(h, fronts, prom, instances, batches)
+                _idle(prom, instances, SCRAPES_IDLE)
+                end = max(prom.wait_scraped_after(JOB, instances, time.time()).values())
                 out = query_panels(prom, start, end)
         finally:
             for fe in fronts.values():
@@ -102,13 +121,13 @@ def collect(batches: int = 10, pause_s: float = 4.0, idle_s: float = 8.0) -> dic
 def query_panels(prom: promrun.PrometheusServer, start: float, end: float, job: str = JOB,
                  model_name: str = "tiny-llama") -> dict[str, Any]:
     """Every selected panel's own queries over [start, end], as `render` wants them."""
-    panels = {p["title"]: p for p in generate.iter_panels(generate.build_dashboard())}
+    by_title = {p["title"]: p for p in panels.iter_panels(panels.build_dashboard())}
     values = {"job": job, "model_name": model_name, "instance": ".*", "engine": "0",
               "__rate_interval": RATE_INTERVAL, "__range": f"{math.ceil(end - start)}s",
               "__interval": f"{STEP_S:g}s"}
     out: dict[str, Any] = {}
     for title in STATS + CHARTS:
-        panel = panels[title]
+        panel = by_title[title]
         results = []
         for t in panel["targets"]:
             expr = promrun.fill_variables(t["expr"], values)
@@ -133,7 +152,7 @@ def render(data: dict[str, Any], path: Path, source: str = "a real P/D push run"
     rows = (len(CHARTS) + 1) // 2
     grid = fig.add_gridspec(1 + rows, 4, height_ratios=[0.55] + [1] * rows,
                             hspace=0.55, wspace=0.3, left=0.05, right=0.98, top=0.93, bottom=0.03)
-    fig.suptitle(f"{generate.DASHBOARD_TITLE} - preview from {source} "
+    fig.suptitle(f"{panels.DASHBOARD_TITLE} - preview from {source} "
                  f"({time.strftime('%Y-%m-%d %H:%M', time.localtime(end))}, {end - start:.0f} s window)",
                  color="white", fontsize=16)
     text_kw = {"color": "#ccccdc"}
@@ -214,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dashboards.preview", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--batches", type=int, default=10, help="push batches, ~4 s apart")
+    parser.add_argument("--batches", type=int, default=10,
+                        help=f"push batches, {SCRAPES_BETWEEN} scrapes apart")
     parser.add_argument("--save-data", type=Path, help="also write the query results as JSON")
     parser.add_argument("--from-data", type=Path, help="render saved query results, no run")
     args = parser.parse_args(argv)

@@ -1,10 +1,10 @@
 """Just enough PromQL reading to check queries against the vocabulary.
 
 Not a parser: it finds the metric names a query selects, the label matchers attached
-to each selector, the labels of `by (...)`/`on (...)` clauses and the range of every
-`[...]`. Real Prometheus parses the queries in `tests/test_prometheus_real.py`; this
-module only has to be right about names, so dashboards and rules cannot drift from
-`connector.vocabulary`.
+to each selector, the labels of `by (...)`/`on (...)` clauses, the range of every
+`[...]` and every `offset`. Real Prometheus parses the queries in
+`tests/test_prometheus_real.py`; this module only has to be right about names, so
+dashboards and rules cannot drift from `connector.vocabulary`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ _GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\((
 _RANGE = re.compile(r"\[([^\]]*)\]")
 _NUMBER = re.compile(r"(?<![A-Za-z0-9_:$])\d+(?:\.\d+)?(?:[eE][+-]?\d+)?(?:ms|s|m|h|d|w|y)?")
 _RANGE_CALL = re.compile(r"\b(" + "|".join(sorted(RANGE_FUNCTIONS)) + r")\s*\(")
+_OFFSET = re.compile(r"\boffset\s+(-?[$\w{}]+)")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ def _blank_strings(expr: str) -> str:
 def metric_names(expr: str) -> set[str]:
     """Metric (series) names the expression selects."""
     text = _blank_strings(expr)
+    text = _OFFSET.sub(" ", text)
     text = _RANGE.sub(" ", text)
     text = re.sub(r"\{[^}]*\}", " ", text)
     text = _GROUPING.sub(" ", text)
@@ -114,6 +116,11 @@ def range_calls(expr: str) -> list[tuple[str, str]]:
             raise PromQLError(f"{call.group(1)}() without a range in {expr!r}")
         calls.append((call.group(1), inner[-1].split(":")[0].strip()))
     return calls
+
+
+def offsets(expr: str) -> list[str]:
+    """The duration of every `offset` modifier, e.g. "$__range" or "15m"."""
+    return _OFFSET.findall(_blank_strings(expr))
 
 
 def variables(expr: str) -> set[str]:

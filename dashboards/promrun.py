@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -22,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dashboards import generate
+from dashboards import panels, rules
+from harness.poll import wait_until
 from harness.ports import free_port
 
 PROMETHEUS = "prometheus"
 PROMTOOL = "promtool"
-RULES_PATH = generate.ROOT / generate.RULES_FILE
+RULES_PATH = Path(__file__).resolve().parent / rules.RULES_FILE
 
 # prometheus_client (0.26 in the lock, also behind vLLM's /metrics) answers a Prometheus
 # 2.x scrape - which asks for OpenMetrics 1.0.0 without an `escaping` parameter - with
@@ -110,19 +110,24 @@ class PrometheusServer:
              f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
              *(f"--enable-feature={f}" for f in self.features)],
             stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise PrometheusError(f"prometheus exited with {self.process.returncode}: {self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as resp:
-                    if resp.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise PrometheusError(f"prometheus not ready after {timeout_s}s")
+        try:
+            wait_until(self._ready, f"prometheus on {self.url} to answer /-/ready", timeout_s, 0.1,
+                       last=self.log)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _ready(self) -> bool:
+        """/-/ready answers 200; raises when the process has exited (no point waiting)."""
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise PrometheusError(f"prometheus exited with {self.process.returncode}: {self.log()}")
+        try:
+            with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, ConnectionError):
+            return False
 
     def log(self) -> str:
         path = self.workdir / "prometheus.log"
@@ -212,14 +217,34 @@ class PrometheusServer:
 
     def wait_for(self, expr: str, predicate: Callable[[float | None], bool], timeout_s: float = 30.0,
                  what: str = "") -> float | None:
-        deadline = time.monotonic() + timeout_s
-        value = None
-        while time.monotonic() < deadline:
-            value = self.value(expr)
-            if predicate(value):
-                return value
-            time.sleep(0.25)
-        raise PrometheusError(f"timed out waiting for {what or expr}; last value {value}\n{self.log()}")
+        """Poll `expr` until `predicate(value)` holds; returns that value. Raises
+        harness.poll.PollTimeout naming `what`, the last value and Prometheus' log."""
+        seen: list[float | None] = []
+
+        def holds() -> tuple[float | None] | None:
+            seen[:] = [self.value(expr)]
+            return (seen[0],) if predicate(seen[0]) else None
+
+        found = wait_until(holds, f"{what or expr} ({expr})", timeout_s, 0.25,
+                           last=lambda: f"{seen[0] if seen else None}; prometheus log: {self.log()[-1000:]}")
+        return found[0]
+
+    def last_scrape(self, job: str, instance: str) -> float | None:
+        """Time (s) of the last scrape of one target Prometheus has stored."""
+        return self.value(f'max(timestamp(up{{job="{job}",instance="{instance}"}}))')
+
+    def wait_scraped_after(self, job: str, instances: Iterable[str], after: float,
+                           timeout_s: float = 30.0) -> dict[str, float]:
+        """Wait until every target has a scrape later than `after` (a time in seconds);
+        returns each target's last scrape time."""
+        out: dict[str, float] = {}
+        for inst in instances:
+            value = self.wait_for(f'max(timestamp(up{{job="{job}",instance="{inst}"}}))',
+                                  lambda v: v is not None and v > after, timeout_s,
+                                  what=f"a scrape of {inst} after {after:.3f}")
+            assert value is not None
+            out[inst] = value
+        return out
 
 
 # ------------------------------------------------------------------- panel evaluation
@@ -249,7 +274,7 @@ def evaluate_dashboard(prom: PrometheusServer, dashboard: dict[str, Any], values
                        at: float | None = None) -> list[PanelQuery]:
     """Every query of every panel as an instant query (Grafana's last point of each panel)."""
     out = []
-    for panel in generate.iter_panels(dashboard):
+    for panel in panels.iter_panels(dashboard):
         for t in panel["targets"]:
             expr = fill_variables(t["expr"], values)
             out.append(PanelQuery(panel["title"], t["refId"], expr, prom.query_raw(expr, at)))

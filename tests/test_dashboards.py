@@ -1,14 +1,16 @@
 """The generated dashboard, rules and deployment files, and the checks that guard them.
 
 No engines here: the generator's `--check`, its check functions on mutated dashboards,
-promtool on the rules and the stack config, and consistency of the provisioning files.
-The queries against a real Prometheus are in tests/test_prometheus_real.py.
+promtool on the rules and the stack config, consistency of the provisioning files, and
+docs/telemetry.md against the vocabulary. The queries against a real Prometheus are in
+tests/test_prometheus_real.py.
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
+import re
 import shutil
 import subprocess
 import sys
@@ -19,13 +21,14 @@ import pytest
 import yaml
 
 from connector import vocabulary as V
-from dashboards import generate, promql
+from dashboards import check, generate, k8s, panels, promql, promrun, queries, rules, telemetry_doc
 
 REPO = Path(__file__).resolve().parents[1]
 DASH = REPO / "dashboards"
-RULES = DASH / generate.RULES_FILE
+RULES = DASH / rules.RULES_FILE
 RULES_TEST = DASH / "rules" / "nixl-push.rules.test.yaml"
 STACK = DASH / "stack"
+DOC = REPO / "docs" / "telemetry.md"
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -41,7 +44,7 @@ def run_generator(*args: str) -> subprocess.CompletedProcess[str]:
 
 def mutate_expr(dashboard: dict[str, Any], old: str, new: str) -> str:
     """Replace `old` in the first query that has it; returns the panel title."""
-    for panel in generate.iter_panels(dashboard):
+    for panel in panels.iter_panels(dashboard):
         for target in panel["targets"]:
             if old in target["expr"]:
                 target["expr"] = target["expr"].replace(old, new)
@@ -71,64 +74,70 @@ def test_check_passes_on_checked_in_files() -> None:
     proc = run_generator("--check")
     assert proc.returncode == 0, proc.stderr
     assert "dashboards check OK" in proc.stdout
-    assert generate.check_files(DASH) == []
+    assert check.check_files(DASH, generate.render_all()) == []
+    assert DOC.read_text() == telemetry_doc.render()
+
+
+def in_tmp(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The generator on a copy in `tmp_path` (dashboard files and the doc)."""
+    return run_generator(*args, "--root", str(tmp_path), "--doc", str(tmp_path / DOC.name))
 
 
 def test_check_fails_on_stale_or_missing_files(tmp_path: Path) -> None:
-    generate.write_files(tmp_path)
-    assert run_generator("--check", "--root", str(tmp_path)).returncode == 0
+    generate.write_files(tmp_path, tmp_path / DOC.name)
+    assert in_tmp(tmp_path, "--check").returncode == 0
 
-    path = tmp_path / generate.DASHBOARD_FILE
+    path = tmp_path / panels.DASHBOARD_FILE
     hand_edited = json.loads(path.read_text())
     hand_edited["title"] = "edited in the Grafana UI"
     path.write_text(json.dumps(hand_edited, indent=2) + "\n")
-    (tmp_path / generate.CONFIGMAP_FILE).unlink()
-    proc = run_generator("--check", "--root", str(tmp_path))
+    (tmp_path / k8s.CONFIGMAP_FILE).unlink()
+    proc = in_tmp(tmp_path, "--check")
     assert proc.returncode == 1
-    assert f"{generate.DASHBOARD_FILE}: stale" in proc.stderr
+    assert f"{panels.DASHBOARD_FILE}: stale" in proc.stderr
     assert "edited in the Grafana UI" in proc.stderr  # the diff is shown
-    assert f"{generate.CONFIGMAP_FILE}: missing" in proc.stderr
+    assert f"{k8s.CONFIGMAP_FILE}: missing" in proc.stderr
 
 
 def test_check_of_files_on_disk_reports_unknown_metric(tmp_path: Path) -> None:
-    generate.write_files(tmp_path)
-    path = tmp_path / generate.DASHBOARD_FILE
+    generate.write_files(tmp_path, tmp_path / DOC.name)
+    path = tmp_path / panels.DASHBOARD_FILE
     path.write_text(path.read_text().replace("vllm:nixl_pushes_total", "vllm:nixl_pushes_sent_total"))
-    errors = generate.check_files(tmp_path)
+    errors = check.check_files(tmp_path, generate.render_all())
     assert any("stale" in e for e in errors)
     assert any("'vllm:nixl_pushes_sent_total' is not defined in connector.vocabulary" in e for e in errors)
     assert any("vllm:nixl_pushes is defined in connector.vocabulary but on no panel" in e for e in errors)
 
 
 def test_generated_dashboard_and_rules_pass_their_checks() -> None:
-    assert generate.check_dashboard(generate.build_dashboard()) == []
-    assert generate.check_rules(generate.build_rules()) == []
+    assert check.check_dashboard(panels.build_dashboard()) == []
+    assert check.check_rules(rules.build_rules()) == []
 
 
 def test_unknown_metric_on_a_panel_fails() -> None:
-    dashboard = generate.build_dashboard()
+    dashboard = panels.build_dashboard()
     title = mutate_expr(dashboard, "vllm:nixl_descriptors_saved_total", "vllm:nixl_descriptor_saved_total")
-    errors = generate.check_dashboard(dashboard)
+    errors = check.check_dashboard(dashboard)
     wanted = "'vllm:nixl_descriptor_saved_total' is not defined"
     assert any(title in e and wanted in e for e in errors), errors
 
 
 def test_unknown_series_suffix_fails() -> None:
     # A counter queried without _total, a histogram without _bucket: both unknown series.
-    dashboard = generate.build_dashboard()
+    dashboard = panels.build_dashboard()
     mutate_expr(dashboard, "vllm:nixl_pushes_total", "vllm:nixl_pushes")
     mutate_expr(dashboard, "vllm:nixl_handshake_duration_seconds_bucket",
                 "vllm:nixl_handshake_duration_seconds")
-    errors = generate.check_dashboard(dashboard)
+    errors = check.check_dashboard(dashboard)
     assert any("'vllm:nixl_pushes' is not defined" in e for e in errors), errors
     assert any("'vllm:nixl_handshake_duration_seconds' is not defined" in e for e in errors), errors
 
 
 @pytest.mark.parametrize("spec", V.ALL_METRICS + V.STOCK_METRICS, ids=lambda s: s.name)
 def test_metric_missing_from_dashboard_fails(spec: V.MetricSpec) -> None:
-    dashboard = generate.build_dashboard()
+    dashboard = panels.build_dashboard()
     assert drop_panels(dashboard, spec.name) >= 1
-    errors = generate.check_dashboard(dashboard)
+    errors = check.check_dashboard(dashboard)
     assert f"metric {spec.name} is defined in connector.vocabulary but on no panel" in errors
 
 
@@ -141,36 +150,38 @@ def test_metric_missing_from_dashboard_fails(spec: V.MetricSpec) -> None:
     ("by (direction, trigger, outcome)", "by (direction, trigger, result)",
      "grouping label 'result' is not a known label"),
     ("[$__rate_interval]", "[5m]", "rate() must use [$__rate_interval]"),
-    ("[$__range]", "[1h]", "window must be $__rate_interval or $__range"),
+    ("offset $__range", "offset 1h", "offset must be $__range, not 1h"),
+    ('fate=~"waiting|registered"', 'fate=~"waiting|wanted"', "fate='wanted' is not a value"),
+    ('fate=~"waiting|registered"', 'fate=~"wait.*"', "a regex on a vocabulary label must list literal"),
     ('instance=~"$instance"', 'instance=~"$host"', "undefined variable $host"),
     ("histogram_quantile(", "histogram_quantil(", "unknown PromQL function 'histogram_quantil'"),
 ])
 def test_wrong_names_in_queries_fail(old: str, new: str, message: str) -> None:
-    dashboard = generate.build_dashboard()
+    dashboard = panels.build_dashboard()
     mutate_expr(dashboard, old, new)
-    errors = generate.check_dashboard(dashboard)
+    errors = check.check_dashboard(dashboard)
     assert any(message in e for e in errors), errors
 
 
 def test_panel_without_unit_or_metric_in_description_fails() -> None:
-    dashboard = generate.build_dashboard()
-    panels = list(generate.iter_panels(dashboard))
-    panels[0]["fieldConfig"]["defaults"]["unit"] = ""
-    panels[1]["description"] = "Handshakes."
-    panels[2]["datasource"] = {"type": "prometheus", "uid": "prometheus"}
-    errors = generate.check_dashboard(dashboard)
-    assert f"panel {panels[0]['title']!r}: no unit" in errors
-    assert any(e.startswith(f"panel {panels[1]['title']!r}: description does not name") for e in errors)
-    assert f"panel {panels[2]['title']!r}: datasource must be the $datasource variable" in errors
+    dashboard = panels.build_dashboard()
+    shown = list(panels.iter_panels(dashboard))
+    shown[0]["fieldConfig"]["defaults"]["unit"] = ""
+    shown[1]["description"] = "Handshakes."
+    shown[2]["datasource"] = {"type": "prometheus", "uid": "prometheus"}
+    errors = check.check_dashboard(dashboard)
+    assert f"panel {shown[0]['title']!r}: no unit" in errors
+    assert any(e.startswith(f"panel {shown[1]['title']!r}: description does not name") for e in errors)
+    assert f"panel {shown[2]['title']!r}: datasource must be the $datasource variable" in errors
 
 
 def test_rules_with_unknown_names_fail() -> None:
-    rules = generate.build_rules()
-    alert = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "NixlPushesFailing")
+    groups = rules.build_rules()
+    alert = next(r for g in groups["groups"] for r in g["rules"] if r.get("alert") == "NixlPushesFailing")
     alert["expr"] = alert["expr"].replace("vllm:nixl_pushes_total", "vllm:nixl_push_total")
-    record = rules["groups"][0]["rules"][0]
+    record = groups["groups"][0]["rules"][0]
     record["expr"] = record["expr"].replace("[5m]", "[$__rate_interval]")
-    errors = generate.check_rules(rules)
+    errors = check.check_rules(groups)
     assert any("NixlPushesFailing" in e and "'vllm:nixl_push_total' is not defined" in e for e in errors)
     assert any(record["record"] in e and "cannot use Grafana variables" in e for e in errors)
 
@@ -199,7 +210,7 @@ def test_promql_reader() -> None:
 
 # ----------------------------------------------------------------------- the dashboard
 def test_dashboard_shape() -> None:
-    dashboard = json.loads((DASH / generate.DASHBOARD_FILE).read_text())
+    dashboard = json.loads((DASH / panels.DASHBOARD_FILE).read_text())
     assert dashboard["schemaVersion"] == 39
     assert dashboard["title"] == "NIXL push handshakes"
     variables = dashboard["templating"]["list"]
@@ -219,11 +230,11 @@ def test_dashboard_shape() -> None:
     stock_names = {s.name for s in V.STOCK_METRICS}
     for panel in stock["panels"]:
         for t in panel["targets"]:
-            assert {generate.series_index()[n].name for n in promql.metric_names(t["expr"])} <= stock_names
+            assert {queries.series_index()[n].name for n in promql.metric_names(t["expr"])} <= stock_names
 
 
 def test_dashboard_layout_has_no_overlaps() -> None:
-    dashboard = generate.build_dashboard()
+    dashboard = panels.build_dashboard()
     groups: list[list[dict[str, Any]]] = [[p for p in dashboard["panels"]]]
     groups += [r["panels"] for r in dashboard["panels"] if r["type"] == "row" and r["collapsed"]]
     for group in groups:
@@ -237,8 +248,8 @@ def test_dashboard_layout_has_no_overlaps() -> None:
 
 
 def test_required_panels_exist() -> None:
-    dashboard = generate.build_dashboard()
-    exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in generate.iter_panels(dashboard)}
+    dashboard = panels.build_dashboard()
+    exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in panels.iter_panels(dashboard)}
 
     def has(title: str, *needles: str) -> None:
         assert title in exprs, title
@@ -247,9 +258,9 @@ def test_required_panels_exist() -> None:
             assert needle in text, (title, needle)
 
     has("Handshakes/s by direction and flavor", "sum by (direction, notif_agents_only)", "rate(")
-    has("D->P handshakes that were notification-only", 'notif_agents_only="true"', "[$__range]", "> 0)")
-    has("Descriptor registrations saved", "increase(vllm:nixl_descriptor_registrations_saved_total")
-    has("Descriptors saved", "increase(vllm:nixl_descriptors_saved_total", "[$__range]")
+    has("D->P handshakes that were notification-only", 'notif_agents_only="true"', "offset $__range", "> 0)")
+    has("Descriptor registrations saved", "vllm:nixl_descriptor_registrations_saved_total", "offset $__range")
+    has("Descriptors saved", "vllm:nixl_descriptors_saved_total", "offset $__range")
     has("Descriptor registrations saved/s", "rate(vllm:nixl_descriptor_registrations_saved_total")
     has("Descriptors saved/s", "rate(vllm:nixl_descriptors_saved_total")
     has("Descriptors registered/s by full handshakes", "vllm:nixl_descriptors_registered_total")
@@ -263,18 +274,25 @@ def test_required_panels_exist() -> None:
     has("KV receive latency p50 / p95 / p99 by outcome",
         "vllm:nixl_push_receive_duration_seconds_bucket", "by (le, outcome)")
     has("KV receives/s by outcome", "rate(vllm:nixl_push_receive_duration_seconds_count")
+    has("KV leases expired while the decoder waited", "vllm:nixl_kv_lease_expiries_total",
+        'fate=~"waiting|registered"', "offset $__range")
+    has("Heartbeat ids matching nothing", 'outcome="unknown_request"', "offset $__range")
+    has("KV lease expiries/s by fate", "by (fate)", "vllm:nixl_num_kv_expired_reqs_total",
+        "vllm:nixl_kv_leases_reaped_late_total")
+    has("Heartbeat ids/s by what they matched (P)", "vllm:nixl_kv_lease_renewals_total", "by (outcome)")
+    has("Heartbeats sent/s (D)", "vllm:nixl_heartbeats_total", "by (outcome)")
 
 
 def test_latency_panels_show_exemplars_linked_to_jaeger() -> None:
-    dashboard = generate.build_dashboard()
+    dashboard = panels.build_dashboard()
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["jaeger"]["type"] == "datasource" and variables["jaeger"]["query"] == "jaeger"
-    with_exemplars = {p["title"] for p in generate.iter_panels(dashboard)
+    with_exemplars = {p["title"] for p in panels.iter_panels(dashboard)
                       if any(t.get("exemplar") for t in p["targets"])}
     assert with_exemplars == {"Handshake latency p50 / p95 / p99 by flavor",
                               "Executor queue wait p50 / p95 / p99", "Per-phase latency p95",
                               "KV receive latency p50 / p95 / p99 by outcome"}
-    for panel in generate.iter_panels(dashboard):
+    for panel in panels.iter_panels(dashboard):
         if panel["title"] in with_exemplars:
             [link] = panel["fieldConfig"]["defaults"]["links"]
             assert "${jaeger}" in link["url"] and "${__data.fields.trace_id}" in link["url"]
@@ -288,11 +306,11 @@ def test_latency_panels_show_exemplars_linked_to_jaeger() -> None:
 
 
 def test_latency_panel_without_exemplars_fails_the_check() -> None:
-    dashboard = generate.build_dashboard()
-    panel = next(p for p in generate.iter_panels(dashboard) if p["title"].startswith("KV receive latency"))
+    dashboard = panels.build_dashboard()
+    panel = next(p for p in panels.iter_panels(dashboard) if p["title"].startswith("KV receive latency"))
     panel["targets"][0]["exemplar"] = False
     panel["fieldConfig"]["defaults"]["links"] = []
-    errors = generate.check_dashboard(dashboard)
+    errors = check.check_dashboard(dashboard)
     assert any("latency histogram without exemplars" in e for e in errors), errors
     assert any("without a data link to the $jaeger" in e for e in errors), errors
 
@@ -301,7 +319,7 @@ def test_latency_panel_without_exemplars_fails_the_check() -> None:
 def test_promtool_check_rules() -> None:
     proc = promtool("check", "rules", str(RULES))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    n_rules = sum(len(g["rules"]) for g in generate.build_rules()["groups"])
+    n_rules = sum(len(g["rules"]) for g in rules.build_rules()["groups"])
     assert f"SUCCESS: {n_rules} rules found" in proc.stdout
 
 
@@ -313,16 +331,17 @@ def test_promtool_test_rules() -> None:
 
 def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
     tests = yaml.safe_load(RULES_TEST.read_text())
-    alerts = {r["alert"] for g in generate.build_rules()["groups"] for r in g["rules"] if "alert" in r}
+    alerts = {r["alert"] for g in rules.build_rules()["groups"] for r in g["rules"] if "alert" in r}
     firing: set[str] = set()
     quiet: set[str] = set()
     for case in tests["tests"]:
-        for check in case.get("alert_rule_test", []):
-            (firing if check["exp_alerts"] else quiet).add(check["alertname"])
+        for expected in case.get("alert_rule_test", []):
+            (firing if expected["exp_alerts"] else quiet).add(expected["alertname"])
     assert alerts == {"NixlFullDToPHandshake", "NixlHandshakeFailureRatioHigh",
                       "NixlHandshakeLatencyP99High", "NixlHandshakeQueueWaitHigh", "NixlPushesFailing",
                       "NixlReceivesFailing", "NixlReceiveLatencyP99High",
-                      "NixlHandshakeStuck", "NixlPushRegRejected"}
+                      "NixlHandshakeStuck", "NixlPushRegRejected",
+                      "NixlKvLeaseExpiredWhileWanted", "NixlHeartbeatsMatchNothing"}
     assert firing == alerts and quiet == alerts
 
 
@@ -331,12 +350,12 @@ def test_rule_test_series_use_the_vocabulary() -> None:
     series = [s["series"] for case in tests["tests"] for s in case.get("input_series", [])]
     assert series
     for selector in series:
-        assert generate.check_expr(selector, selector, allow_variables=False) == []
-        assert promql.metric_names(selector) <= generate.series_index().keys()
+        assert check.check_expr(selector, selector, allow_variables=False) == []
+        assert promql.metric_names(selector) <= queries.series_index().keys()
 
 
 def test_full_d_to_p_alert_is_the_regression_check() -> None:
-    rule = next(r for g in generate.build_rules()["groups"] for r in g["rules"]
+    rule = next(r for g in rules.build_rules()["groups"] for r in g["rules"]
                 if r.get("alert") == "NixlFullDToPHandshake")
     assert 'increase(vllm:nixl_handshakes_total{direction="d_to_p",notif_agents_only="false"}[15m])' \
         in rule["expr"]
@@ -345,16 +364,16 @@ def test_full_d_to_p_alert_is_the_regression_check() -> None:
 
 # ---------------------------------------------------------------------- deployment files
 def test_configmap_carries_the_dashboard() -> None:
-    configmap = yaml.safe_load((DASH / generate.CONFIGMAP_FILE).read_text())
+    configmap = yaml.safe_load((DASH / k8s.CONFIGMAP_FILE).read_text())
     assert configmap["kind"] == "ConfigMap"
     assert configmap["metadata"]["labels"] == {"grafana_dashboard": "1"}
     (name, text), = configmap["data"].items()
-    assert name == Path(generate.DASHBOARD_FILE).name
-    assert text == (DASH / generate.DASHBOARD_FILE).read_text()
+    assert name == Path(panels.DASHBOARD_FILE).name
+    assert text == (DASH / panels.DASHBOARD_FILE).read_text()
 
 
 def test_prometheus_rule_carries_the_rules() -> None:
-    resource = yaml.safe_load((DASH / generate.PROMETHEUS_RULE_FILE).read_text())
+    resource = yaml.safe_load((DASH / k8s.PROMETHEUS_RULE_FILE).read_text())
     assert resource["kind"] == "PrometheusRule"
     assert resource["spec"] == yaml.safe_load(RULES.read_text())
 
@@ -399,7 +418,7 @@ def test_stack_and_provisioning_agree() -> None:
     provider = yaml.safe_load((DASH / "provisioning/dashboards/nixl.yaml").read_text())["providers"][0]
     assert graf[provider["options"]["path"]] == "../grafana"
     home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
-    assert home == posixpath.join(provider["options"]["path"], Path(generate.DASHBOARD_FILE).name)
+    assert home == posixpath.join(provider["options"]["path"], Path(panels.DASHBOARD_FILE).name)
     assert services["grafana"]["image"].startswith("grafana/grafana:10.4")
     sources = yaml.safe_load((DASH / "provisioning/datasources/prometheus.yaml").read_text())["datasources"]
     prom_ds = next(s for s in sources if s["type"] == "prometheus")
@@ -420,15 +439,147 @@ def test_stack_and_provisioning_agree() -> None:
 def test_dashboard_json_is_deterministic() -> None:
     first = generate.render_all()
     assert first == generate.render_all()
-    assert generate.build_dashboard() == json.loads(first[generate.DASHBOARD_FILE])
+    assert panels.build_dashboard() == json.loads(first[panels.DASHBOARD_FILE])
 
 
 def test_readme_lists_every_panel_and_rule() -> None:
     readme = (DASH / "README.md").read_text()
-    for panel in generate.iter_panels(generate.build_dashboard()):
+    for panel in panels.iter_panels(panels.build_dashboard()):
         assert f"| {panel['title']}" in readme, panel["title"]
-    for group in generate.build_rules()["groups"]:
+    for group in rules.build_rules()["groups"]:
         for rule in group["rules"]:
             assert f"`{rule.get('alert') or rule.get('record')}`" in readme
     assert "preview/nixl-push-handshakes.png" in readme
     assert (DASH / "preview" / "nixl-push-handshakes.png").stat().st_size > 50_000
+
+
+def test_render_all_carries_the_objects_deploy_takes() -> None:
+    rendered = generate.render_all()
+    resource = yaml.safe_load(rendered[k8s.PROMETHEUS_RULE_FILE])
+    assert resource["kind"] == "PrometheusRule" and resource["spec"] == rules.build_rules()
+    configmap = yaml.safe_load(rendered[k8s.CONFIGMAP_FILE])
+    assert json.loads(configmap["data"][Path(panels.DASHBOARD_FILE).name]) == panels.build_dashboard()
+
+
+# ------------------------------------------------------------ headline panels: exact counts
+def test_the_counted_panels_are_headlines() -> None:
+    # The panels that exist to show a count (the "1,024 descriptors saved" of a run).
+    assert {"Descriptors saved", "Descriptor registrations saved", "Descriptors registered vs saved (range)",
+            "Full D->P handshakes", "D->P handshakes that were notification-only",
+            "KV leases expired while the decoder waited"} <= panels.headline_titles()
+    for panel in panels.iter_panels(panels.build_dashboard()):
+        if panel["title"] in panels.headline_titles():
+            for t in panel["targets"]:
+                assert t["instant"] and "offset $__range" in t["expr"], panel["title"]
+                assert not promql.range_calls(t["expr"]), panel["title"]
+
+
+def test_headline_panel_with_increase_fails_the_check() -> None:
+    dashboard = panels.build_dashboard()
+    panel = next(p for p in panels.iter_panels(dashboard) if p["title"] == "Descriptors saved")
+    panel["targets"][0]["expr"] = "sum(increase(vllm:nixl_descriptors_saved_total[$__range]))"
+    errors = check.check_dashboard(dashboard)
+    assert any("increase() over [$__range] extrapolates" in e for e in errors), errors
+    assert any("a headline panel shows the exact change" in e for e in errors), errors
+    dashboard["panels"] = [p for p in dashboard["panels"] if p.get("title") != "Descriptors saved"]
+    assert "headline panel 'Descriptors saved' is not on the dashboard" in check.check_dashboard(dashboard)
+
+
+def test_range_change_is_exact_under_promtool(tmp_path: Path) -> None:
+    """The exact range change, evaluated by promtool between scrapes (at 15m30s, range 10m,
+    so the range starts at 5m30s): a step inside the range, a series born inside it at 0,
+    a counter reset inside it. Expected values worked out by hand from the series."""
+    series = "vllm:nixl_descriptors_saved_total"
+    expr = "sum by (instance) (" + promrun.fill_variables(
+        queries.range_change(f'{series}{{job="vllm"}}'), {"__range": "10m"}) + ")"
+    (tmp_path / "empty.rules.yaml").write_text("groups: []\n")
+    labels = 'job="vllm",model_name="m",engine="0",direction="d_to_p"'
+    case = {
+        "rule_files": ["empty.rules.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                # 0 until 5m, 7 from 6m on: the range holds the whole step.
+                {"series": f'{series}{{{labels},instance="step"}}', "values": "0x5 7x15"},
+                # Created at 8m (at 0, as the connector creates its series), 3 from 9m on.
+                {"series": f'{series}{{{labels},instance="born"}}', "values": "_x7 0 3x12"},
+                # 60 at the range's start, restarted at 7m, 4 since: counts from the reset.
+                {"series": f'{series}{{{labels},instance="reset"}}',
+                 "values": "10 20 30 40 50 60 70 0 4x12"},
+                {"series": f'{series}{{{labels.replace("vllm", "other")},instance="step"}}',
+                 "values": "0+100x20"},
+            ],
+            "promql_expr_test": [{"expr": expr, "eval_time": "15m30s", "exp_samples": [
+                {"labels": '{instance="step"}', "value": 7},
+                {"labels": '{instance="born"}', "value": 3},
+                {"labels": '{instance="reset"}', "value": 4},
+            ]}],
+        }],
+    }
+    test_file = tmp_path / "range_change.test.yaml"
+    test_file.write_text(yaml.safe_dump(case))
+    proc = promtool("test", "rules", str(test_file))
+    assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------- docs/telemetry.md
+def _doc_rows(doc: str, first_cell: str) -> list[str]:
+    return [line for line in doc.splitlines() if line.startswith(f"| {first_cell} |")]
+
+
+def test_doc_lists_every_metric_with_its_closed_label_values() -> None:
+    doc = DOC.read_text()
+    for spec in (*V.ALL_METRICS, V.OBSERVED_DEGRADED, *V.STOCK_METRICS):
+        exposed = spec.name if spec.kind is V.MetricKind.HISTOGRAM else spec.series_names[0]
+        rows = [line for line in doc.splitlines()
+                if line.startswith(f"| `{exposed}`") and f"| {spec.kind.value} |" in line]
+        assert len(rows) == 1, exposed
+        assert spec.help in rows[0], exposed
+        for label in spec.labels:
+            for value in V.allowed_values(spec.name, label):
+                assert f"`{value}`" in rows[0], (exposed, label, value)
+
+
+def test_doc_lists_spans_attributes_events_and_enums() -> None:
+    doc = DOC.read_text()
+    spans = [V.SPAN_HANDSHAKE, V.SPAN_PUSH_REGISTER, V.SPAN_PUSH_WRITE, V.SPAN_PUSH_RECEIVE,
+             V.SPAN_ROUTER_REQUEST, *(V.phase_span_name(p) for p in V.Phase),
+             *(V.router_leg_span_name(leg) for leg in V.RouterLeg)]
+    for name in spans:
+        assert f"`{name}`" in doc, name
+    for keys in (V.Attr, V.RouterAttr):
+        for const, key in vars(keys).items():
+            if const.isupper():
+                assert _doc_rows(doc, f"`{key}`"), key
+    for values in (V.SpanEvent, V.Trigger, V.Direction, V.LinkRole):
+        for member in values:
+            assert f"`{member.value}`" in doc, member
+    assert f"`{V.EXEMPLAR_TRACE_ID}`" in doc and f"`{V.EXEMPLAR_SPAN_ID}`" in doc
+    phase_rows = [line for line in doc.splitlines() if re.match(r"\| \d+ \| `", line)]
+    assert [row.split("`")[1] for row in phase_rows] == [p.value for p in V.Phase]
+
+
+def test_doc_says_what_each_telemetry_error_loses() -> None:
+    doc = DOC.read_text()
+    for reason in V.TelemetryError:
+        rows = [line for line in doc.splitlines() if re.fullmatch(rf"\| `{reason.value}` \| (.+) \|", line)]
+        assert len(rows) == 1, reason
+        assert "(no text)" not in rows[0], reason
+
+
+def test_doc_relabel_config_is_the_one_the_tests_scrape_with() -> None:
+    block = DOC.read_text().split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert yaml.safe_load(block) == {"metric_relabel_configs": promrun.RESTORE_VLLM_COLON}
+
+
+def test_doc_reason_without_text_or_stale_doc_fails_the_check(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    generate.write_files(tmp_path, tmp_path / DOC.name)
+    doc = tmp_path / DOC.name
+    doc.write_text(doc.read_text().replace("| `table_full` |", "| `table_overflow` |"))
+    proc = in_tmp(tmp_path, "--check")
+    assert proc.returncode == 1 and f"{DOC.name}" in proc.stderr and "stale" in proc.stderr, proc.stderr
+    monkeypatch.delitem(telemetry_doc.TELEMETRY_ERROR_TEXT, V.TelemetryError.SPANS_DROPPED)
+    errors = generate.check_all(tmp_path, doc)
+    assert any("'spans_dropped' has no text" in e for e in errors), errors

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 
@@ -18,6 +19,7 @@ from connector import vocabulary as V
 from dashboards import promrun
 from dashboards.promrun import PrometheusServer
 from harness.otlp_receiver import OtlpGrpcReceiver
+from harness.poll import wait_until
 
 pytestmark = [pytest.mark.real, pytest.mark.prometheus]
 
@@ -25,15 +27,18 @@ N_PUSHES = 4
 JOB = "vllm"
 
 
-def _poll(what: str, fetch: Any, done: Any, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    value = fetch()
-    while not done(value):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: last value {value!r}")
-        time.sleep(0.3)
-        value = fetch()
-    return value
+T = TypeVar("T")
+
+
+def _poll(what: str, fetch: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 60.0) -> T:
+    """`fetch()` until `done(value)`; that value (harness.poll.wait_until raises on time-out)."""
+    seen: list[T] = []
+
+    def holds() -> tuple[T] | None:
+        seen[:] = [fetch()]
+        return (seen[0],) if done(seen[0]) else None
+
+    return wait_until(holds, what, timeout_s, 0.3, last=lambda: seen[0] if seen else None)[0]
 
 
 @pytest.fixture(scope="module")

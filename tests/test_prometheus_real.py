@@ -4,21 +4,28 @@ One module-scoped run: the two-process push harness drives pushes over real NIXL
 and D's metrics front ends serve /metrics on two real ports; a real Prometheus scrapes
 both (job "vllm", 1 s) with our rules loaded. Every query of every panel is evaluated
 through Prometheus' HTTP API, once while idle and once after the pushes, with the
-dashboard variables filled in the way Grafana would.
+dashboard variables filled in the way Grafana would. The headline panels are evaluated
+once more between two scrapes, over a range that starts inside the run and over one that
+starts before the first scrape, and must equal the counters on the engines' /metrics.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from connector import vocabulary as V
-from dashboards import generate, promql, promrun
+from connector.vocabulary import Label
+from dashboards import panels, promql, promrun, queries, rules
 from dashboards.promrun import PanelQuery, PrometheusServer
+from harness.poll import wait_until
 
 pytestmark = [pytest.mark.real, pytest.mark.prometheus]
 
@@ -46,6 +53,9 @@ class Run:
     alerts: list[dict[str, Any]]
     recorded_share: float | None
     raw_names: list[str]
+    headlines: dict[str, list[PanelQuery]]  # range name -> headline panels' answers
+    counters: dict[str, Samples]  # range name -> the engines' /metrics changes over it
+    extrapolated_saved: float | None  # increase() of the saved descriptors over the run's range
     expositions: dict[str, str] = field(default_factory=dict)
 
     def panel(self, title: str, ref: str = "A", when: str = "D") -> PanelQuery:
@@ -58,17 +68,95 @@ class Run:
         return [hs for data in self.stats[engine] for hs in data.get(V.StatKey.HANDSHAKES, [])]
 
 
-def _drain(h: Any, stats: dict[str, list[dict[str, Any]]], done: Any, timeout_s: float = 30.0) -> None:
+def _drain(h: Any, stats: dict[str, list[dict[str, Any]]],
+           done: Callable[[dict[str, list[dict[str, Any]]]], bool]) -> None:
     """Poll the engines' stats (they arrive asynchronously) until `done(stats)` holds."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def complete() -> bool:
         for name in stats:
             stats[name] += h.stats(name)
-        if done(stats):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"stats never complete: {stats}")
-        time.sleep(0.3)
+        return done(stats)
+
+    wait_until(complete, "the engines' stats of the pushes", 30, 0.3, last=lambda: stats)
+
+
+# ------------------------------------------------------------------- the engines' counters
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape_metrics(instances: dict[str, str]) -> Samples:
+    """Every sample on the engines' /metrics (text format), summed over the engines."""
+    out: Samples = {}
+    for inst in instances.values():
+        with urllib.request.urlopen(f"http://{inst}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = (s.name, frozenset(s.labels.items()))
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def minus(now: Samples, before: Samples) -> Samples:
+    return {key: value - before.get(key, 0.0) for key, value in now.items()}
+
+
+def total_of(samples: Samples, name: str, by: tuple[str, ...] = (),
+             **where: str | tuple[str, ...]) -> dict[tuple[str, ...], float]:
+    """Sum of one sample name's values whose labels match `where`, grouped by `by`."""
+    out: dict[tuple[str, ...], float] = {}
+    for (sample, labels), value in samples.items():
+        found = dict(labels)
+        if sample != name or any(found.get(k) not in ((v,) if isinstance(v, str) else v)
+                                 for k, v in where.items()):
+            continue
+        group = tuple(found[x] for x in by)
+        out[group] = out.get(group, 0.0) + value
+    return out
+
+
+def _share(samples: Samples) -> dict[tuple[str, ...], float]:
+    count = V.HANDSHAKE_DURATION.name + "_count"
+    d_to_p = V.Direction.D_TO_P.value
+    notif = total_of(samples, count, direction=d_to_p, notif_agents_only=V.bool_label(True)).get((), 0.0)
+    every = total_of(samples, count, direction=d_to_p).get((), 0.0)
+    return {(): notif / every} if every else {}
+
+
+def _mean_phase(samples: Samples) -> dict[tuple[str, ...], float]:
+    name, per = V.HANDSHAKE_PHASE_DURATION.name, (Label.DIRECTION, Label.PHASE)
+    sums, counts = total_of(samples, name + "_sum", per), total_of(samples, name + "_count", per)
+    return {k: sums[k] / n for k, n in counts.items() if n > 0}
+
+
+def _one(name: str, **where: str | tuple[str, ...]) -> Callable[[Samples], dict[tuple[str, ...], float]]:
+    return lambda samples: total_of(samples, name, **where)
+
+
+# What each headline panel (title, query refId) must show: its count from the engines'
+# /metrics, as {label values of the panel's grouping: value}.
+Truth = Callable[[Samples], dict[tuple[str, ...], float]]
+HEADLINE_TRUTH: dict[tuple[str, str], tuple[tuple[str, ...], Truth]] = {
+    ("D->P handshakes that were notification-only", "A"): ((), _share),
+    ("Full D->P handshakes", "A"): ((), _one(V.HANDSHAKE_DURATION.name + "_count",
+                                          direction=V.Direction.D_TO_P.value,
+                                          notif_agents_only=V.bool_label(False))),
+    ("Descriptor registrations saved", "A"): ((), _one(V.DESCRIPTOR_REGISTRATIONS_SAVED.series_names[0])),
+    ("Descriptors saved", "A"): ((), _one(V.DESCRIPTORS_SAVED.series_names[0])),
+    ("Descriptors registered vs saved (range)", "A"): (
+        (Label.DIRECTION, Label.LIST),
+        lambda s: total_of(s, V.DESCRIPTORS_REGISTERED.series_names[0], (Label.DIRECTION, Label.LIST))),
+    ("Descriptors registered vs saved (range)", "B"): (
+        (Label.DIRECTION,), lambda s: total_of(s, V.DESCRIPTORS_SAVED.series_names[0], (Label.DIRECTION,))),
+    ("Mean time per phase (range)", "A"): ((Label.DIRECTION, Label.PHASE), _mean_phase),
+    ("KV leases renewed by heartbeats", "A"): (
+        (), _one(V.KV_LEASE_RENEWALS.series_names[0], outcome=V.LeaseRenewal.RENEWED.value)),
+    ("Heartbeat ids matching nothing", "A"): (
+        (), _one(V.KV_LEASE_RENEWALS.series_names[0], outcome=V.LeaseRenewal.UNKNOWN_REQUEST.value)),
+    ("KV leases expired while the decoder waited", "A"): (
+        (), _one(V.KV_LEASE_EXPIRIES.series_names[0],
+                 fate=(V.LeaseFate.WAITING.value, V.LeaseFate.REGISTERED.value))),
+}
 
 
 def _count(stats: list[dict[str, Any]], key: str) -> int:
@@ -79,7 +167,7 @@ def _count(stats: list[dict[str, Any]], key: str) -> int:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     from harness import PushHarness
 
-    dashboard = generate.build_dashboard()
+    dashboard = panels.build_dashboard()
     with PushHarness.pd(connector="fork") as h:
         fronts = {name: h.frontend(name) for name in ("P", "D")}
         try:
@@ -97,8 +185,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                               lambda v: v == 2, what="zero-valued series of both front ends")
                 idle = promrun.evaluate_dashboard(prom, dashboard, VARIABLES)
                 absent_at_idle = {
-                    series for series in generate.series_index()
+                    series for series in queries.series_index()
                     if not prom.query(f'{series}{{job="{JOB}"}}')}
+                # The run's range starts here: Prometheus holds the idle counters already.
+                run_start, at_idle = time.time(), scrape_metrics(instances)
 
                 report = h.push(N_PUSHES)
                 assert report.ok, report
@@ -115,21 +205,30 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                 prom.wait_for(d_saved, lambda v: v == saved, what="D's saved descriptors scraped")
                 prom.wait_for(f'sum({V.PUSHES.series_names[0]}{{outcome="completed"}})',
                               lambda v: v == N_PUSHES, what="P's completed pushes scraped")
-                # One more scrape of both, so both changes precede `at`.
-                for inst in instances.values():
-                    scraped = f'max(timestamp(up{{job="{JOB}",instance="{inst}"}}))'
-                    before = prom.value(scraped)
-                    prom.wait_for(scraped, lambda v, b=before: v is not None and v > b,
-                                  what=f"another scrape of {inst}")
-                # Evaluate at an engine's last scrape: increase() over $__range then does
-                # not extrapolate past its last sample, so that engine's range totals are
-                # exact counts (the two targets are scraped at different offsets).
-                last = {name: prom.value(f'max(timestamp(up{{job="{JOB}",instance="{inst}"}}))')
-                        for name, inst in instances.items()}
+                # One more scrape of both, so both changes precede what is evaluated.
+                scraped = prom.wait_scraped_after(JOB, instances.values(), time.time())
+                last = {name: scraped[inst] for name, inst in instances.items()}
                 busy = promrun.evaluate_dashboard(prom, dashboard, VARIABLES, at=last["D"])
                 busy_p = promrun.evaluate_dashboard(prom, dashboard, VARIABLES, at=last["P"])
 
-                source = generate.VARIABLE_SOURCE
+                # Headline panels between two scrapes (where increase() extrapolates), over
+                # the run's range and over a range starting before Prometheus' first scrape.
+                at = max(last.values()) + 0.5
+                prom.wait_scraped_after(JOB, instances.values(), at)
+                counters_now = scrape_metrics(instances)
+                ranges = {"run": f"{math.floor(at - run_start)}s", "before the first scrape": "1h"}
+                headline_titles = panels.headline_titles()
+                headlines = {
+                    name: [q for q in promrun.evaluate_dashboard(prom, dashboard,
+                                                                 {**VARIABLES, "__range": window}, at=at)
+                           if q.panel in headline_titles]
+                    for name, window in ranges.items()}
+                counters = {"run": minus(counters_now, at_idle), "before the first scrape": counters_now}
+                extrapolated_saved = prom.value(
+                    f'sum(increase({V.DESCRIPTORS_SAVED.series_names[0]}{{job="{JOB}"}}[{ranges["run"]}]))',
+                    at)
+
+                source = panels.VARIABLE_SOURCE
                 variable_values = {
                     "job": prom.label_values("job", source),
                     "model_name": prom.label_values("model_name", f'{source}{{job="{JOB}"}}'),
@@ -141,7 +240,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     f'{share_rule}{{instance="{instances["D"]}"}}', lambda v: v is not None,
                     timeout_s=15, what="recording rule evaluated")
                 raw_names = prom.label_values("__name__", f'{{job="{RAW_JOB}"}}')
-                rules = [r for g in prom.api("/api/v1/rules")["data"]["groups"] for r in g["rules"]]
+                loaded = [r for g in prom.api("/api/v1/rules")["data"]["groups"] for r in g["rules"]]
                 alerts = prom.api("/api/v1/alerts")["data"]["alerts"]
             expositions = {name: fe.exposition() for name, fe in fronts.items()}
         finally:
@@ -150,8 +249,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         spec_p = h.specs["P"]
         shape = {"pairs": 1, "remote_ranks": 1,
                  "descriptors_per_registration": spec_p.num_layers * spec_p.num_blocks}
-    return Run(instances, idle, busy, busy_p, stats, shape, absent_at_idle, variable_values, rules,
-               alerts, recorded_share, raw_names, expositions)
+    return Run(instances, idle, busy, busy_p, stats, shape, absent_at_idle, variable_values, loaded,
+               alerts, recorded_share, raw_names, headlines, counters, extrapolated_saved, expositions)
 
 
 # Panels that must show data after the pushes, with what the data must be. Each check
@@ -177,9 +276,15 @@ CORE = {
     # Reliability: gauges set to 0 and counters created at 0 at start-up (0 is data).
     "Handshakes in flight", "Oldest handshake in flight", "Handshake retries/s", "Peer input rejected/s",
     "Telemetry errors/s",
+    # KV leases: gauges set to 0, counters created at 0 (ours and vLLM's) at start-up.
+    "KV leases held now", "KV leases renewed by heartbeats", "Heartbeat ids matching nothing",
+    "KV leases expired while the decoder waited", "KV leases held (P) and requests waiting for KV (D)",
+    "Oldest KV lease (P) and oldest wait for KV (D)", "KV lease expiries/s by fate",
+    "Heartbeat ids/s by what they matched (P)", "Heartbeats sent/s (D)",
+    "Completion notifications after lease expiry/s",
 }
-# Failure and expiry panels: nothing fails in a healthy run.
-QUIET = {"Handshake failures/s by phase and error type", "KV lease expiries/s"}
+# Panels whose series are born at their first failure: empty in a healthy run.
+QUIET = {"Handshake failures/s by phase and error type"}
 # Panels over series the connector creates at their first event (not at start-up), if
 # any: they would be empty for a single event. See dashboards/README.md.
 BORN_LATE: set[str] = set()
@@ -198,9 +303,9 @@ def test_panels_are_classified(run: Run) -> None:
     assert not (CORE & QUIET) and not (CORE & BORN_LATE) and not (QUIET & BORN_LATE)
     # A panel may only be excused as born-late if one of its metrics really had no series
     # before the first handshake; once the connector pre-creates them, move it to CORE.
-    index = generate.series_index()
-    dashboard = generate.build_dashboard()
-    for panel in generate.iter_panels(dashboard):
+    index = queries.series_index()
+    dashboard = panels.build_dashboard()
+    for panel in panels.iter_panels(dashboard):
         if panel["title"] in BORN_LATE:
             names = set().union(*(promql.metric_names(t["expr"]) for t in panel["targets"]))
             assert names & run.absent_at_idle, (panel["title"], names, "all pre-created: make it CORE")
@@ -257,6 +362,32 @@ def test_registered_by_full_handshakes_equals_ground_truth(run: Run) -> None:
     assert lists[("p_to_d", "remote")] > 0 and lists[("d_to_p", "remote")] == 0
 
 
+def test_headline_panels_equal_the_engines_counters(run: Run) -> None:
+    """Each headline panel, evaluated between two scrapes with $__range filled in as Grafana
+    does, equals the change of its counters on the engines' own /metrics: over the run (the
+    range starts inside Prometheus' data: `offset`) and over a range starting before the
+    first scrape (series born inside the range count from 0)."""
+    assert {(q.panel, q.ref_id) for q in run.headlines["run"]} == set(HEADLINE_TRUTH), \
+        "every headline panel needs its count from /metrics in HEADLINE_TRUTH"
+    for name, answers in run.headlines.items():
+        for q in answers:
+            assert q.ok, (name, q.panel, q.answer)
+            labels, truth = HEADLINE_TRUTH[(q.panel, q.ref_id)]
+            expected, got = truth(run.counters[name]), _by(q, *labels)
+            assert got.keys() == expected.keys(), (name, q.panel, q.ref_id, got, expected)
+            for key, value in expected.items():
+                assert math.isclose(got[key], value, rel_tol=1e-12), (name, q.panel, q.ref_id, key, got)
+
+
+def test_increase_would_overcount_the_headline(run: Run) -> None:
+    """Why the headline panels take the exact change: increase() over the same range, at the
+    same instant between two scrapes, extrapolates past the last scrape."""
+    truth = total_of(run.counters["run"], V.DESCRIPTORS_SAVED.series_names[0])[()]
+    assert truth == sum(hs["saved_descriptors"] for hs in run.handshakes("D"))
+    assert truth > 0 and run.extrapolated_saved is not None
+    assert run.extrapolated_saved > truth, (run.extrapolated_saved, truth)
+
+
 def test_handshake_panels(run: Run) -> None:
     assert run.panel("D->P handshakes that were notification-only").values() == [({}, 1.0)]
     assert run.panel("Full D->P handshakes").values() == [({}, 0.0)]
@@ -306,7 +437,7 @@ def test_dashboard_variables_resolve(run: Run) -> None:
 
 
 def test_rules_load_evaluate_and_stay_quiet(run: Run) -> None:
-    generated = generate.build_rules()
+    generated = rules.build_rules()
     names = {r.get("alert") or r.get("record") for g in generated["groups"] for r in g["rules"]}
     loaded = {r["name"]: r for r in run.rules}
     assert set(loaded) == names

@@ -131,7 +131,8 @@ LATER_ATTRIBUTES: tuple[str, ...] = (
 )
 # Attributes vLLM's push scheduler sets that the fork's scheduler reads (source scan too).
 SCHEDULER_ATTRIBUTES: tuple[str, ...] = (
-    "_heartbeat_req_engine", "_push_pending_registrations", "_newly_finished_push_blocks",
+    "_heartbeat_req_engine", "_heartbeat_by_engine", "_push_pending_registrations",
+    "_newly_finished_push_blocks",
 )
 
 # vLLM functions whose source CI tested, per minor: sha256 (first 16 hex digits) of the

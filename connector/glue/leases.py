@@ -10,9 +10,11 @@ by its own internal id, which carries vLLM's per-engine suffix, and vLLM's
 longer than the lease loses its KV.
 
 Here (main thread only, like vLLM's lease code):
-- `_handle_heartbeat` is ours: a heartbeat's ids are matched the way PUSH_REGs are
-  (exact, else by base request id), so a stock decoder's heartbeats renew leases on
-  a fork prefill too; each id is counted by what it matched;
+- `_handle_heartbeat` is ours. A heartbeat id matches a lease by P's internal id, by
+  base request id (the way PUSH_REGs match: a fork decoder's heartbeats carry its own
+  internal ids, see scheduler.py), or by the id the router sent (a stock decoder's
+  heartbeats): vLLM's OpenAI server derives P's id from the same `X-Request-Id`
+  (`cmpl-<id>-<n>`, `chatcmpl-<id>`). Each id is counted by what it matched;
 - vLLM's reaper (`_reap_expired_send_leases`, which scans every lease in 0.32 and
   0.33) runs unchanged; around it we count each expiry with what P knew of the
   request (its fate) and whether it was freed later than due;
@@ -24,6 +26,7 @@ Here (main thread only, like vLLM's lease code):
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -90,26 +93,30 @@ class LeaseFlow(Flow):
         extension = float(self._lease_extension)
         new_expiry = time.perf_counter() + extension
         stamp = time.time_ns()
-        by_base: dict[str, list[str]] | None = None
+        leases: dict[str, list[str]] | None = None
+        prefilling: dict[str, list[str]] | None = None
         outcomes: dict[str, int] = {}
         for hb_id in heartbeat_ids(payload):
             if hb_id in held:
                 targets = [hb_id]
             else:
-                if by_base is None:
-                    by_base = _index_by_base(held)
-                targets = by_base.get(get_base_request_id(hb_id), [])
+                if leases is None:
+                    leases = index_request_ids(held)
+                targets = lookup(leases, hb_id)
             if targets:
                 for req_id in targets:
                     held[req_id] = max(held[req_id], new_expiry)
                     self._note_renewal(req_id, stamp)
                 outcome = LeaseRenewal.RENEWED
-            elif _named_in(hb_id, self._reqs_to_process):
-                outcome = LeaseRenewal.PREFILLING
-            elif get_base_request_id(hb_id) in self._ended_lease_bases:
-                outcome = LeaseRenewal.ALREADY_DONE
             else:
-                outcome = LeaseRenewal.UNKNOWN_REQUEST
+                if prefilling is None:
+                    prefilling = index_request_ids(self._reqs_to_process)
+                if lookup(prefilling, hb_id):
+                    outcome = LeaseRenewal.PREFILLING
+                elif any(key in self._ended_lease_bases for key in match_keys(hb_id)):
+                    outcome = LeaseRenewal.ALREADY_DONE
+                else:
+                    outcome = LeaseRenewal.UNKNOWN_REQUEST
             outcomes[outcome.value] = outcomes.get(outcome.value, 0) + 1
         if outcomes:
             logger.debug("heartbeat (%d ids): %s; leases extended by %.0f s", sum(outcomes.values()),
@@ -168,7 +175,8 @@ class LeaseFlow(Flow):
         """Main thread, from the step's finished_sending: pushed or released."""
         for req_id in req_ids:
             if self._forget_lease(req_id):
-                self._ended_lease_bases.add(get_base_request_id(req_id))
+                for key in request_keys(req_id)[1:]:
+                    self._ended_lease_bases.add(key)
                 self._leases_report_owed = True
 
     def _forget_lease(self, req_id: str) -> bool:
@@ -218,15 +226,43 @@ class LeaseFlow(Flow):
                 errors.note(TelemetryError.STATS, exc)
 
 
-def _index_by_base(held: dict[str, float]) -> dict[str, list[str]]:
+# The ids vLLM's OpenAI server gives a request from its `X-Request-Id` (before the
+# engine adds its `-<8 hex>` suffix): completions `cmpl-<id>-<prompt index>`, chat
+# `chatcmpl-<id>`.
+_ROUTER_ID = (re.compile(r"cmpl-(.+)-\d+"), re.compile(r"chatcmpl-(.+)"))
+
+
+def request_keys(req_id: str) -> tuple[str, ...]:
+    """The keys one of P's request ids is known by: itself, its base id, and the id
+    the router sent when vLLM's OpenAI server derived the base from it."""
+    base = get_base_request_id(req_id)
+    keys = [req_id, base] if base != req_id else [req_id]
+    for pattern in _ROUTER_ID:
+        match = pattern.fullmatch(base)
+        if match:
+            keys.append(match[1])
+            break
+    return tuple(keys)
+
+
+def match_keys(hb_id: str) -> tuple[str, ...]:
+    """The keys a heartbeat id may name a request by: itself and its base id."""
+    base = get_base_request_id(hb_id)
+    return (hb_id, base) if base != hb_id else (hb_id,)
+
+
+def index_request_ids(req_ids: Iterable[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
-    for req_id in held:
-        out.setdefault(get_base_request_id(req_id), []).append(req_id)
+    for req_id in req_ids:
+        for key in request_keys(req_id):
+            out.setdefault(key, []).append(req_id)
     return out
 
 
-def _named_in(hb_id: str, req_ids: Iterable[str]) -> bool:
-    if hb_id in req_ids:
-        return True
-    base = get_base_request_id(hb_id)
-    return any(get_base_request_id(r) == base for r in req_ids)
+def lookup(index: dict[str, list[str]], hb_id: str) -> list[str]:
+    """P's requests a heartbeat id names (none, one, or more if ids were reused)."""
+    for key in match_keys(hb_id):
+        found = index.get(key)
+        if found:
+            return list(dict.fromkeys(found))
+    return []

@@ -71,9 +71,21 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
 
     def on_new_request(self, request: Request) -> None:
         super().on_new_request(request)
-        if request.request_id in self._heartbeat_req_engine:  # D: waits for a remote prefill
-            self._waiting_since[request.request_id] = time.monotonic()
-            self._waiting_report_owed = True
+        tracked = self._heartbeat_req_engine.get(request.request_id)
+        if tracked is None:
+            return
+        # D: the request waits for a remote prefill. Its heartbeats name it by this
+        # engine's own request id, which P matches by base id as it matches PUSH_REGs
+        # (vLLM names it by the router's id, which P never holds). A stock P matches
+        # neither: its leases are not renewed either way.
+        engine_id, router_id = tracked
+        info = self._heartbeat_by_engine.get(engine_id)
+        if info is not None and router_id != request.request_id:
+            info.req_ids.discard(router_id)
+            info.req_ids.add(request.request_id)
+            self._heartbeat_req_engine[request.request_id] = (engine_id, request.request_id)
+        self._waiting_since[request.request_id] = time.monotonic()
+        self._waiting_report_owed = True
 
     def remote_prefills_waiting(self, interval_s: float = 1.0) -> tuple[int, float] | None:
         """(requests waiting for a remote prefill, oldest wait in s) at most once per

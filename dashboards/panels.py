@@ -1,0 +1,634 @@
+"""The Grafana dashboard: panel builders, the rows, the variables and the layout.
+
+Headline panels (`Cell.headline`) show a count an operator reads as a fact ("1,024
+descriptors saved"): their queries take the counters' exact change over the range
+(`queries.range_change`), never `increase()`, and tests/test_prometheus_real.py compares
+each with the engines' own /metrics after a known run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from connector import vocabulary as V
+from connector.vocabulary import Label
+from dashboards import rules
+from dashboards.queries import (
+    D_TO_P,
+    FAILURE,
+    FLAVOR,
+    FULL,
+    NOTIF_ONLY,
+    QUEUE_WAIT,
+    RATE,
+    RENEWED,
+    STILL_WANTED,
+    UNKNOWN_REQUEST,
+    bucket,
+    by,
+    gauge,
+    hcount,
+    hsum,
+    quantile,
+    range_change,
+    sel,
+    total,
+)
+
+DASHBOARD_FILE = "grafana/nixl-push-handshakes.json"
+DASHBOARD_UID = "nixl-push-handshakes"
+DASHBOARD_TITLE = "NIXL push handshakes"
+SCHEMA_VERSION = 39
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+VARIABLES = ("datasource", "job", "model_name", "instance", "engine", "jaeger")
+BUILTIN_VARIABLES = {"__rate_interval", "__range", "__interval", "__range_s", "__interval_ms"}
+# The series the variables are read from: pre-created at 0 by every engine running the fork.
+VARIABLE_SOURCE = V.PUSHES.series_names[0]
+COUNT_UNIT = "short"
+
+# Exemplars: the latency histograms carry {trace_id, span_id} exemplars (OpenMetrics);
+# their panels show them, and a click opens the trace in the $jaeger data source.
+JAEGER_VARIABLE = "jaeger"
+TRACE_LINK = {
+    "title": "Open trace ${__data.fields.trace_id} in Jaeger",
+    "url": '/explore?schemaVersion=1&orgId=1&panes={"trace":{"datasource":"${jaeger}",'
+           '"queries":[{"refId":"A","datasource":{"type":"jaeger","uid":"${jaeger}"},'
+           '"query":"${__data.fields.trace_id}"}],"range":{"from":"now-1h","to":"now"}}}',
+    "targetBlank": True,
+}
+EXEMPLAR_NOTE = (" Exemplars (points) carry the trace_id of a traced observation: click one and "
+                 "open its trace in the $jaeger data source (tracing on, Prometheus with "
+                 "--enable-feature=exemplar-storage).")
+# Latency histograms whose observations carry exemplars (their panels must show them).
+EXEMPLAR_BUCKETS = frozenset(bucket(spec) for spec in V.EXEMPLAR_METRICS)
+EXACT_NOTE = (" Exact: the counters' change between the range's start and end (no "
+              "extrapolation; a series born inside the range counts from 0).")
+
+Panel = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A panel with its grid size; `headline`: a count shown as a fact (exact, tested)."""
+
+    panel: Panel
+    w: int
+    h: int
+    headline: bool = False
+
+
+# --------------------------------------------------------------------- panel builders
+def target(expr: str, legend: str = "__auto", *, instant: bool = False) -> dict[str, Any]:
+    return {"datasource": DS, "editorMode": "code", "expr": expr, "legendFormat": legend,
+            "range": not instant, "instant": instant, "refId": ""}
+
+
+def _panel(kind: str, title: str, description: str, targets: list[dict[str, Any]], unit: str,
+           defaults: dict[str, Any], options: dict[str, Any]) -> Panel:
+    for i, t in enumerate(targets):
+        t["refId"] = chr(ord("A") + i)
+    return {
+        "type": kind, "title": title, "description": description, "datasource": DS,
+        "fieldConfig": {"defaults": {"unit": unit, **defaults}, "overrides": []},
+        "options": options, "targets": targets,
+    }
+
+
+def thresholds(*steps: tuple[str, float | None]) -> dict[str, Any]:
+    return {"mode": "absolute", "steps": [{"color": c, "value": v} for c, v in steps]}
+
+
+def timeseries(title: str, description: str, targets: list[dict[str, Any]], unit: str, *,
+               stacked: bool = False, bars: bool = False, max_value: float | None = None,
+               exemplars: bool = False) -> Panel:
+    custom = {
+        "drawStyle": "bars" if bars else "line", "lineWidth": 1, "fillOpacity": 60 if bars else 10,
+        "showPoints": "never", "spanNulls": False, "axisSoftMin": 0,
+        "stacking": {"mode": "normal" if stacked else "none", "group": "A"},
+    }
+    defaults: dict[str, Any] = {"custom": custom, "color": {"mode": "palette-classic"}, "min": 0}
+    if max_value is not None:
+        defaults["max"] = max_value
+    options = {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
+                          "calcs": ["lastNotNull", "max"]},
+               "tooltip": {"mode": "multi", "sort": "desc"}}
+    if exemplars:
+        # Grafana queries the exemplars of each target and draws them as points; the
+        # link opens the trace an exemplar names in the $jaeger data source.
+        for t in targets:
+            t["exemplar"] = True
+        defaults["links"] = [dict(TRACE_LINK)]
+        description += EXEMPLAR_NOTE
+    return _panel("timeseries", title, description, targets, unit, defaults, options)
+
+
+def stat(title: str, description: str, expr: str, unit: str, *, steps: dict[str, Any],
+         no_value: str, decimals: int | None = None) -> Panel:
+    defaults: dict[str, Any] = {"color": {"mode": "thresholds"}, "thresholds": steps,
+                                "noValue": no_value}
+    if decimals is not None:
+        defaults["decimals"] = decimals
+    options = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+               "colorMode": "background", "graphMode": "none", "justifyMode": "center",
+               "orientation": "auto", "textMode": "value", "wideLayout": True,
+               "showPercentChange": False}
+    return _panel("stat", title, description, [target(expr, title, instant=True)], unit,
+                  defaults, options)
+
+
+def bargauge(title: str, description: str, targets: list[dict[str, Any]], unit: str, *,
+             no_value: str, decimals: int | None = None) -> Panel:
+    for t in targets:
+        t.update(instant=True, range=False)
+    defaults: dict[str, Any] = {"color": {"mode": "palette-classic"}, "min": 0, "noValue": no_value,
+                                "thresholds": thresholds(("green", None))}
+    if decimals is not None:
+        defaults["decimals"] = decimals
+    options = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+               "displayMode": "basic", "orientation": "horizontal", "showUnfilled": True,
+               "valueMode": "color", "namePlacement": "auto", "sizing": "auto", "minVizHeight": 16,
+               "minVizWidth": 8, "maxVizHeight": 300}
+    return _panel("bargauge", title, description, targets, unit, defaults, options)
+
+
+def count_stat(title: str, description: str, expr: str, *, bad_from: float | None = None) -> Panel:
+    """A whole-number stat: blue for information, or green until `bad_from`, then red."""
+    steps = (thresholds(("blue", None)) if bad_from is None
+             else thresholds(("green", None), ("red", bad_from)))
+    return stat(title, description, expr, COUNT_UNIT, steps=steps, no_value="0", decimals=0)
+
+
+def changed(series: str, *matchers: str, labels: tuple[str, ...] = ()) -> str:
+    """Sum (by `labels`) of the exact range change of a scoped counter series."""
+    grouping = f" {by(*labels)} " if labels else ""
+    return f"sum{grouping}({range_change(sel(series, *matchers))})"
+
+
+# ------------------------------------------------------------------------- the rows
+def _overview() -> list[Cell]:
+    dur_count = hcount(V.HANDSHAKE_DURATION)
+    all_d_to_p = changed(dur_count, D_TO_P)
+    counted = (f"Counted from {V.HANDSHAKE_DURATION.name}_count (one observation per handshake), "
+               "whose success series exist at 0 from start-up.")
+    return [
+        Cell(stat("D->P handshakes that were notification-only",
+                  "Share of decode-to-prefill handshakes in the dashboard range that were "
+                  "notification-only (notif_agents_only=\"true\"). In push mode D only needs P's "
+                  "agent to send PUSH_REG, so this should be 100%; anything lower means D prepared "
+                  f"descriptors it never uses. {counted} Shows 'no D->P handshakes' when none "
+                  "happened in the range (a guarded denominator instead of NaN)." + EXACT_NOTE,
+                  f"{changed(dur_count, D_TO_P, NOTIF_ONLY)} / ({all_d_to_p} > 0)", "percentunit",
+                  steps=thresholds(("red", None), ("green", 1)),
+                  no_value="no D->P handshakes", decimals=1), 6, 5, headline=True),
+        Cell(count_stat("Full D->P handshakes",
+                        "Full (descriptor-preparing) decode-to-prefill handshakes in the dashboard "
+                        f"range; should be 0 in push mode. {counted}" + EXACT_NOTE,
+                        changed(dur_count, D_TO_P, FULL), bad_from=1), 6, 5, headline=True),
+        Cell(count_stat("Descriptor registrations saved",
+                        "NIXL descriptor lists (prep_xfer_dlist calls) that notification-only "
+                        "handshakes skipped in the dashboard range, from "
+                        f"{V.DESCRIPTOR_REGISTRATIONS_SAVED.name}_total." + EXACT_NOTE,
+                        changed(total(V.DESCRIPTOR_REGISTRATIONS_SAVED))), 6, 5, headline=True),
+        Cell(count_stat("Descriptors saved",
+                        "Descriptors that notification-only handshakes did not prepare in the "
+                        f"dashboard range, from {V.DESCRIPTORS_SAVED.name}_total." + EXACT_NOTE,
+                        changed(total(V.DESCRIPTORS_SAVED))), 6, 5, headline=True),
+    ]
+
+
+def _handshakes() -> list[Cell]:
+    dur_count, hs_total = hcount(V.HANDSHAKE_DURATION), total(V.HANDSHAKES)
+    return [
+        Cell(timeseries("Handshakes/s by direction and flavor",
+                        "NIXL handshakes per second by direction (d_to_p: decode to prefill, "
+                        "p_to_d: prefill to decode) and flavor (notif_agents_only). From "
+                        f"{V.HANDSHAKE_DURATION.name}_count, whose series are pre-created at 0 so "
+                        "the first handshake of each flavor is counted.",
+                        [target(f"sum {by(*FLAVOR)} (rate({sel(dur_count)}[{RATE}]))",
+                                "{{direction}} notif_agents_only={{notif_agents_only}}")],
+                        "suffix: handshakes/s"), 12, 8),
+        Cell(timeseries("Handshakes/s by trigger and outcome",
+                        "NIXL handshakes per second by direction, trigger (push_reg, heartbeat, "
+                        "push_write, push_reg_early: P->D started on D's PUSH_REG, other) and "
+                        f"outcome, from {V.HANDSHAKES.name}_total (every label combination is "
+                        "pre-created at 0).",
+                        [target(f"sum {by(Label.DIRECTION, Label.TRIGGER, Label.OUTCOME)} "
+                                f"(rate({sel(hs_total)}[{RATE}]))",
+                                "{{direction}} {{trigger}} {{outcome}}")],
+                        "suffix: handshakes/s"), 12, 8),
+    ]
+
+
+def _descriptors() -> list[Cell]:
+    regs_saved, descs_saved = total(V.DESCRIPTOR_REGISTRATIONS_SAVED), total(V.DESCRIPTORS_SAVED)
+    regs, descs = total(V.DESCRIPTOR_REGISTRATIONS), total(V.DESCRIPTORS_REGISTERED)
+    return [
+        Cell(timeseries("Descriptor registrations saved/s",
+                        "Descriptor lists per second that notification-only handshakes did not "
+                        f"prepare, by direction: rate of {V.DESCRIPTOR_REGISTRATIONS_SAVED.name}_total.",
+                        [target(f"sum {by(Label.DIRECTION)} (rate({sel(regs_saved)}[{RATE}]))",
+                                "saved {{direction}}")],
+                        "suffix: lists/s"), 8, 8),
+        Cell(timeseries("Descriptors saved/s",
+                        "Descriptors per second that notification-only handshakes did not "
+                        f"prepare, by direction: rate of {V.DESCRIPTORS_SAVED.name}_total.",
+                        [target(f"sum {by(Label.DIRECTION)} (rate({sel(descs_saved)}[{RATE}]))",
+                                "saved {{direction}}")],
+                        "suffix: descriptors/s"), 8, 8),
+        Cell(bargauge("Descriptors registered vs saved (range)",
+                      "Contrast over the dashboard range: descriptors full handshakes prepared "
+                      f"({V.DESCRIPTORS_REGISTERED.name}_total, by direction and list) against "
+                      f"those notification-only handshakes skipped ({V.DESCRIPTORS_SAVED.name}_total)."
+                      + EXACT_NOTE,
+                      [target(changed(descs, labels=(Label.DIRECTION, Label.LIST)),
+                              "registered {{direction}} {{list}}"),
+                       target(changed(descs_saved, labels=(Label.DIRECTION,)), "saved {{direction}}")],
+                      COUNT_UNIT, no_value="0", decimals=0), 8, 8, headline=True),
+        Cell(timeseries("Descriptor lists prepared/s by full handshakes",
+                        "prep_xfer_dlist calls per second during handshakes, by direction and "
+                        f"list (remote/local): rate of {V.DESCRIPTOR_REGISTRATIONS.name}_total. In "
+                        "push mode only p_to_d (P preparing D's blocks) should be non-zero.",
+                        [target(f"sum {by(Label.DIRECTION, Label.LIST)} (rate({sel(regs)}[{RATE}]))",
+                                "{{direction}} {{list}}")],
+                        "suffix: lists/s"), 12, 8),
+        Cell(timeseries("Descriptors registered/s by full handshakes",
+                        "Descriptors in the lists prepared during handshakes, per second, by "
+                        f"direction and list: rate of {V.DESCRIPTORS_REGISTERED.name}_total.",
+                        [target(f"sum {by(Label.DIRECTION, Label.LIST)} (rate({sel(descs)}[{RATE}]))",
+                                "{{direction}} {{list}}")],
+                        "suffix: descriptors/s"), 12, 8),
+    ]
+
+
+def _latency() -> list[Cell]:
+    dur, phase = V.HANDSHAKE_DURATION, V.HANDSHAKE_PHASE_DURATION
+    nan_note = ("Quantiles of windows without handshakes are dropped (`>= 0` filters NaN) "
+                "instead of drawn as NaN.")
+    per_phase = (Label.DIRECTION, Label.PHASE)
+    return [
+        Cell(timeseries("Handshake latency p50 / p95 / p99 by flavor",
+                        "Handshake wall time (submission to vLLM's handshake executor until done, "
+                        "queue wait included) by direction and flavor: histogram_quantile over the "
+                        f"rate of {dur.name}_bucket. {nan_note}",
+                        [target(quantile(q, dur, FLAVOR, RATE),
+                                f"p{round(q * 100)} {{{{direction}}}} notif_agents_only="
+                                "{{notif_agents_only}}")
+                         for q in (0.5, 0.95, 0.99)],
+                        "s", exemplars=True), 12, 9),
+        Cell(timeseries("Executor queue wait p50 / p95 / p99",
+                        "Time handshakes waited in vLLM's handshake executor queue before running "
+                        f"(phase=\"queue_wait\" of {phase.name}). Growing values mean handshakes "
+                        f"queue behind each other. {nan_note}",
+                        [target(quantile(q, phase, (Label.DIRECTION,), RATE, QUEUE_WAIT),
+                                f"p{round(q * 100)} {{{{direction}}}}")
+                         for q in (0.5, 0.95, 0.99)],
+                        "s", exemplars=True), 12, 9),
+        Cell(timeseries("Per-phase latency p95",
+                        "p95 of the time one handshake spent in each phase (queue_wait, "
+                        "metadata_fetch, metadata_decode, agent_load, transfer_plan, "
+                        "descriptor_registration), by direction: histogram_quantile over the rate "
+                        f"of {phase.name}_bucket. {nan_note}",
+                        [target(quantile(0.95, phase, per_phase, RATE), "{{direction}} {{phase}}")],
+                        "s", exemplars=True), 12, 9),
+        Cell(bargauge("Mean time per phase (range)",
+                      "Where handshake time goes: mean seconds per handshake in each phase over "
+                      f"the dashboard range, the change of {phase.name}_sum divided by the change "
+                      f"of {phase.name}_count (denominator guarded with > 0, so phases that did "
+                      "not run are absent rather than NaN)." + EXACT_NOTE,
+                      [target(f"{changed(hsum(phase), labels=per_phase)} / "
+                              f"({changed(hcount(phase), labels=per_phase)} > 0)",
+                              "{{direction}} {{phase}}")],
+                      "s", no_value="no handshake phases in range"), 12, 9, headline=True),
+    ]
+
+
+def _failures() -> list[Cell]:
+    hs_total, fails = total(V.HANDSHAKES), total(V.HANDSHAKE_PHASE_FAILURES)
+    all_rate = f"sum {by(Label.DIRECTION)} (rate({sel(hs_total)}[{RATE}]))"
+    fail_rate = f"sum {by(Label.DIRECTION)} (rate({sel(hs_total, FAILURE)}[{RATE}]))"
+    return [
+        Cell(timeseries("Handshake failure ratio by direction",
+                        f"Failed / all handshakes per direction, from {V.HANDSHAKES.name}_total. "
+                        "0 while handshakes succeed; absent (not NaN) while no handshake happens "
+                        "(denominator guarded with > 0).",
+                        [target(f"({fail_rate} or {all_rate} * 0) / ({all_rate} > 0)",
+                                "{{direction}}")],
+                        "percentunit", max_value=1), 8, 8),
+        Cell(timeseries("Handshake failures/s by phase and error type",
+                        "Failed handshakes per second by direction, the phase that failed and a "
+                        f"bounded error type: rate of {V.HANDSHAKE_PHASE_FAILURES.name}_total.",
+                        [target(f"sum {by(Label.DIRECTION, Label.PHASE, Label.ERROR_TYPE)} "
+                                f"(rate({sel(fails)}[{RATE}]))",
+                                "{{direction}} {{phase}} {{error_type}}")],
+                        "suffix: failures/s", bars=True, stacked=True), 16, 8),
+    ]
+
+
+def _push_flow() -> list[Cell]:
+    notifs, pushes = total(V.PUSH_REG_NOTIFS), total(V.PUSHES)
+    rcv = V.RECEIVE_DURATION
+    return [
+        Cell(timeseries("KV receive latency p50 / p95 / p99 by outcome",
+                        "Decode side, per request: from the registration handed to the worker "
+                        "until the pushed KV landed (success), the receive failed (failure) or "
+                        "nothing landed within the registration timeout (expired). Covers "
+                        "PUSH_REG, P's prefill finishing, handshakes and the WRITE: the P/D health "
+                        f"number. histogram_quantile over the rate of {rcv.name}_bucket; windows "
+                        "without receives are dropped (`>= 0`).",
+                        [target(quantile(q, rcv, (Label.OUTCOME,), RATE),
+                                f"p{round(q * 100)} {{{{outcome}}}}")
+                         for q in (0.5, 0.95, 0.99)],
+                        "s", exemplars=True), 12, 8),
+        Cell(timeseries("KV receives/s by outcome",
+                        "Decode-side receives per second by outcome (success, failure, expired): "
+                        f"rate of {rcv.name}_count, whose series are pre-created at 0.",
+                        [target(f"sum {by(Label.OUTCOME)} (rate({sel(hcount(rcv))}[{RATE}]))",
+                                "{{outcome}}")],
+                        "suffix: receives/s"), 12, 8),
+        Cell(timeseries("PUSH_REG notifications/s",
+                        "PUSH_REG notifications decode workers sent to prefill agents per second, "
+                        f"by outcome (sent/failed): rate of {V.PUSH_REG_NOTIFS.name}_total.",
+                        [target(f"sum {by(Label.OUTCOME)} (rate({sel(notifs)}[{RATE}]))",
+                                "{{outcome}}")],
+                        "suffix: notifs/s"), 12, 8),
+        Cell(timeseries("KV pushes/s: started / completed / failed",
+                        "KV pushes (WRITEs of one request's blocks) on prefill workers per second, "
+                        f"by outcome: rate of {V.PUSHES.name}_total.",
+                        [target(f"sum {by(Label.OUTCOME)} (rate({sel(pushes)}[{RATE}]))",
+                                "{{outcome}}")],
+                        "suffix: pushes/s"), 12, 8),
+    ]
+
+
+def _leases() -> list[Cell]:
+    renewals, expiries = total(V.KV_LEASE_RENEWALS), total(V.KV_LEASE_EXPIRIES)
+    expired_stock = next(s for s in V.STOCK_METRICS if s.name == "vllm:nixl_num_kv_expired_reqs")
+    held, oldest = gauge(V.KV_LEASES_HELD), gauge(V.KV_LEASE_OLDEST_AGE)
+    waiting, oldest_wait = gauge(V.REMOTE_PREFILLS_WAITING), gauge(V.REMOTE_PREFILL_OLDEST_WAIT)
+    per_worker = "One count per prefill worker and heartbeat id."
+    return [
+        Cell(stat("KV leases held now",
+                  "Finished prefills whose blocks the prefill engines hold for their decoder's "
+                  f"push right now: {V.KV_LEASES_HELD.name}, summed over the selected engines.",
+                  f"sum({sel(held)})", COUNT_UNIT, steps=thresholds(("blue", None)),
+                  no_value="0", decimals=0), 6, 5),
+        Cell(count_stat("KV leases renewed by heartbeats",
+                        "Heartbeat ids that extended a KV lease a prefill held, in the dashboard "
+                        f"range: {V.KV_LEASE_RENEWALS.name}_total{{outcome=\"renewed\"}}. "
+                        + per_worker + EXACT_NOTE,
+                        changed(renewals, RENEWED)), 6, 5, headline=True),
+        Cell(count_stat("Heartbeat ids matching nothing",
+                        "Heartbeat ids that matched nothing the prefill holds or recently held, in "
+                        f"the dashboard range: {V.KV_LEASE_RENEWALS.name}_total"
+                        "{outcome=\"unknown_request\"}. Persistently non-zero: a decoder heartbeats "
+                        "the wrong prefill, or request ids no longer match (alert "
+                        "NixlHeartbeatsMatchNothing). " + per_worker + EXACT_NOTE,
+                        changed(renewals, UNKNOWN_REQUEST), bad_from=1), 6, 5, headline=True),
+        Cell(count_stat("KV leases expired while the decoder waited",
+                        "KV leases that expired before their push although a decoder still wanted "
+                        "the request (fate waiting: it heartbeated, no PUSH_REG yet; registered: "
+                        "PUSH_REG arrived, no WRITE posted), in the dashboard range: "
+                        f"{V.KV_LEASE_EXPIRIES.name}_total. That request's KV is lost (alert "
+                        "NixlKvLeaseExpiredWhileWanted)." + EXACT_NOTE,
+                        changed(expiries, STILL_WANTED), bad_from=1), 6, 5, headline=True),
+        Cell(timeseries("KV leases held (P) and requests waiting for KV (D)",
+                        f"Prefill side: leases held ({V.KV_LEASES_HELD.name}, the largest of an "
+                        "engine's workers). Decode side: requests waiting for KV from a prefill, "
+                        f"queued or registered ({V.REMOTE_PREFILLS_WAITING.name}). Both are 0 when "
+                        "idle.",
+                        [target(f"sum {by('instance')} ({sel(held)})", "leases held {{instance}}"),
+                         target(f"sum {by('instance')} ({sel(waiting)})",
+                                "waiting for KV {{instance}}")],
+                        COUNT_UNIT), 8, 8),
+        Cell(timeseries("Oldest KV lease (P) and oldest wait for KV (D)",
+                        f"Age of the oldest lease held ({V.KV_LEASE_OLDEST_AGE.name}) and of the "
+                        f"oldest request waiting for a remote prefill ({V.REMOTE_PREFILL_OLDEST_WAIT.name}), "
+                        "0 when none. A lease near its duration (30 s by default, extended by "
+                        "heartbeats) is about to expire.",
+                        [target(f"max {by('instance')} ({sel(oldest)})", "oldest lease {{instance}}"),
+                         target(f"max {by('instance')} ({sel(oldest_wait)})",
+                                "oldest wait {{instance}}")],
+                        "s"), 8, 8),
+        Cell(timeseries("KV lease expiries/s by fate",
+                        f"Leases that expired before their push, by fate ({V.KV_LEASE_EXPIRIES.name}"
+                        "_total: unclaimed, waiting, registered, push_failed); vLLM's own count of "
+                        f"the same releases ({expired_stock.name}_total); and expired leases "
+                        f"released later than due ({V.KV_LEASES_REAPED_LATE.name}_total).",
+                        [target(f"sum {by(Label.FATE)} (rate({sel(expiries)}[{RATE}]))", "{{fate}}"),
+                         target(f"sum(rate({sel(total(expired_stock))}[{RATE}]))", "vLLM: expired"),
+                         target(f"sum(rate({sel(total(V.KV_LEASES_REAPED_LATE))}[{RATE}]))",
+                                "released late")],
+                        "suffix: leases/s"), 8, 8),
+        Cell(timeseries("Heartbeat ids/s by what they matched (P)",
+                        "Request ids named in decoders' heartbeats, per second, by what they "
+                        "matched on the prefill (renewed, prefilling, already_done, "
+                        f"unknown_request): rate of {V.KV_LEASE_RENEWALS.name}_total. " + per_worker,
+                        [target(f"sum {by(Label.OUTCOME)} (rate({sel(renewals)}[{RATE}]))",
+                                "{{outcome}}")],
+                        "suffix: ids/s"), 12, 8),
+        Cell(timeseries("Heartbeats sent/s (D)",
+                        "Heartbeat notifications decode workers sent to prefill agents per second "
+                        f"(one per agent), by outcome (sent/failed): rate of {V.HEARTBEATS.name}_total.",
+                        [target(f"sum {by(Label.OUTCOME)} (rate({sel(total(V.HEARTBEATS))}[{RATE}]))",
+                                "{{outcome}}")],
+                        "suffix: notifs/s"), 12, 8),
+    ]
+
+
+def _reliability() -> list[Cell]:
+    in_flight, oldest = gauge(V.HANDSHAKES_IN_FLIGHT), gauge(V.HANDSHAKE_OLDEST_IN_FLIGHT)
+    retries, rejected = total(V.HANDSHAKE_RETRIES), total(V.PUSH_REG_REJECTED)
+    lost, sc_rejected = total(V.TELEMETRY_ERRORS), total(V.SIDE_CHANNEL_REJECTED)
+    return [
+        Cell(timeseries("Handshakes in flight",
+                        "Handshakes submitted and not finished (queued in vLLM's handshake "
+                        f"executor or running), by direction and flavor: {in_flight}, summed over "
+                        "the engine's workers. A handshake that hangs shows here before it is counted.",
+                        [target(f"sum {by(*FLAVOR)} ({sel(in_flight)})",
+                                "{{direction}} notif_only={{notif_agents_only}}")],
+                        COUNT_UNIT), 6, 8),
+        Cell(timeseries("Oldest handshake in flight",
+                        f"Age of the oldest unfinished handshake by direction: {oldest} (0 when "
+                        f"none). Alert NixlHandshakeStuck fires above {rules.STUCK_THRESHOLD_S}s.",
+                        [target(f"max {by(Label.DIRECTION)} ({sel(oldest)})", "{{direction}}")],
+                        "s"), 6, 8),
+        Cell(timeseries("Handshake retries/s",
+                        "Attempts re-queued after a transient failure (peer side channel "
+                        f"unreachable or silent), by direction: rate of {retries}.",
+                        [target(f"sum {by(Label.DIRECTION)} (rate({sel(retries)}[{RATE}]))",
+                                "{{direction}}")],
+                        "suffix: retries/s"), 4, 8),
+        Cell(timeseries("Peer input rejected/s",
+                        "PUSH_REG notifications a prefill worker dropped (malformed, oversized, "
+                        f"failing, after its lease) by reason: rate of {rejected}; and side-channel "
+                        f"requests an engine dropped (malformed, unknown rank): rate of {sc_rejected}. "
+                        "Each costs only itself; the engine keeps serving.",
+                        [target(f"sum {by(Label.REASON)} (rate({sel(rejected)}[{RATE}]))",
+                                "PUSH_REG {{reason}}"),
+                         target(f"sum {by(Label.REASON)} (rate({sel(sc_rejected)}[{RATE}]))",
+                                "side channel {{reason}}")],
+                        "suffix: msgs/s"), 4, 8),
+        Cell(timeseries("Telemetry errors/s",
+                        f"Telemetry lost to an internal error, by reason: rate of {lost}. The push "
+                        "is never affected; the first of each reason is logged at WARNING.",
+                        [target(f"sum {by(Label.REASON)} (rate({sel(lost)}[{RATE}]))", "{{reason}}")],
+                        "suffix: errors/s"), 4, 8),
+    ]
+
+
+def _stock() -> list[Cell]:
+    stock = {spec.name.removeprefix("vllm:nixl_"): spec for spec in V.STOCK_METRICS}
+    xfer, post = stock["xfer_time_seconds"], stock["post_time_seconds"]
+    nbytes, ndescs = stock["bytes_transferred"], stock["num_descriptors"]
+    failed_x, failed_n = stock["num_failed_transfers"], stock["num_failed_notifications"]
+    after = stock["num_notifications_after_expiry"]
+    return [
+        Cell(timeseries("NIXL transfers/s and failures/s",
+                        f"Completed transfers per second (rate of {xfer.name}_count), failed "
+                        f"transfers ({failed_x.name}_total) and failed notifications "
+                        f"({failed_n.name}_total). vLLM's stock NIXL metrics.",
+                        [target(f"sum(rate({sel(hcount(xfer))}[{RATE}]))", "transfers"),
+                         target(f"sum(rate({sel(total(failed_x))}[{RATE}]))", "failed transfers"),
+                         target(f"sum(rate({sel(total(failed_n))}[{RATE}]))", "failed notifications")],
+                        "suffix: transfers/s"), 12, 8),
+        Cell(timeseries("NIXL transfer and post time p50 / p99",
+                        f"Transfer duration ({xfer.name}) and post time ({post.name}) quantiles, "
+                        "histogram_quantile over the rate of their _bucket series; idle windows "
+                        "dropped with `>= 0`. vLLM's stock NIXL metrics.",
+                        [target(quantile(0.5, xfer, (), RATE), "transfer p50"),
+                         target(quantile(0.99, xfer, (), RATE), "transfer p99"),
+                         target(quantile(0.99, post, (), RATE), "post p99")],
+                        "s"), 12, 8),
+        Cell(timeseries("NIXL bytes transferred/s",
+                        f"Bytes moved by NIXL transfers per second: rate of {nbytes.name}_sum. "
+                        "vLLM's stock NIXL metric.",
+                        [target(f"sum(rate({sel(hsum(nbytes))}[{RATE}]))", "bytes/s")],
+                        "Bps"), 8, 8),
+        Cell(timeseries("Descriptors per NIXL transfer (mean)",
+                        f"Mean descriptors per transfer: rate of {ndescs.name}_sum over rate of "
+                        f"{ndescs.name}_count (absent while idle). vLLM's stock NIXL metric.",
+                        [target(f"sum(rate({sel(hsum(ndescs))}[{RATE}])) / "
+                                f"(sum(rate({sel(hcount(ndescs))}[{RATE}])) > 0)", "descriptors")],
+                        COUNT_UNIT), 8, 8),
+        Cell(timeseries("Completion notifications after lease expiry/s",
+                        "Completion notifications that arrived after their request's KV lease "
+                        f"had expired ({after.name}_total), per second. vLLM's stock NIXL metric; "
+                        "the expiries themselves are in the KV leases row.",
+                        [target(f"sum(rate({sel(total(after))}[{RATE}]))", "notifications after expiry")],
+                        "suffix: notifs/s"), 8, 8),
+    ]
+
+
+ROWS: tuple[tuple[str, bool, Callable[[], list[Cell]]], ...] = (
+    ("Overview", False, _overview),
+    ("Handshakes", False, _handshakes),
+    ("Descriptor registrations", False, _descriptors),
+    ("Latency and executor queue", False, _latency),
+    ("Failures", False, _failures),
+    ("Push flow", False, _push_flow),
+    ("KV leases", False, _leases),
+    ("Reliability", False, _reliability),
+    ("NIXL transfers (vLLM stock)", True, _stock),
+)
+
+
+def cells() -> list[Cell]:
+    """Every panel of the dashboard with its size and headline mark, in layout order."""
+    return [cell for _, _, build in ROWS for cell in build()]
+
+
+def headline_titles() -> frozenset[str]:
+    return frozenset(cell.panel["title"] for cell in cells() if cell.headline)
+
+
+# ------------------------------------------------------------------ variables, layout
+def _variable(name: str, label: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name, "label": label, "type": "query", "datasource": DS,
+        "definition": query, "query": query, "refresh": 2, "sort": 1, "regex": "",
+        "multi": True, "includeAll": True, "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "options": [], "hide": 0,
+    }
+
+
+def _datasource_variable(name: str, label: str, kind: str) -> dict[str, Any]:
+    return {"name": name, "label": label, "type": "datasource", "query": kind, "refresh": 1,
+            "regex": "", "hide": 0, "current": {}, "options": [], "multi": False, "includeAll": False}
+
+
+def _templating() -> dict[str, Any]:
+    src = VARIABLE_SOURCE
+    return {"list": [
+        _datasource_variable("datasource", "Data source", "prometheus"),
+        _variable("job", "job", f"label_values({src}, job)"),
+        _variable("model_name", "model", f'label_values({src}{{job=~"$job"}}, model_name)'),
+        _variable("instance", "instance",
+                  f'label_values({src}{{job=~"$job",model_name=~"$model_name"}}, instance)'),
+        _variable("engine", "engine",
+                  f'label_values({src}{{job=~"$job",model_name=~"$model_name",'
+                  f'instance=~"$instance"}}, engine)'),
+        _datasource_variable(JAEGER_VARIABLE, "Traces (Jaeger)", "jaeger"),
+    ]}
+
+
+def _layout() -> list[Panel]:
+    panels: list[Panel] = []
+    y, next_id = 0, 1
+    for title, collapsed, build in ROWS:
+        row = {"type": "row", "title": title, "collapsed": collapsed, "id": next_id,
+               "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []}
+        next_id += 1
+        y += 1
+        panels.append(row)
+        x, line_h = 0, 0
+        for cell in build():
+            if x + cell.w > 24:
+                x, y, line_h = 0, y + line_h, 0
+            panel = {"id": next_id, "gridPos": {"h": cell.h, "w": cell.w, "x": x, "y": y}, **cell.panel}
+            next_id += 1
+            (row["panels"] if collapsed else panels).append(panel)
+            x, line_h = x + cell.w, max(line_h, cell.h)
+        y += line_h
+    return panels
+
+
+def build_dashboard() -> dict[str, Any]:
+    return {
+        "uid": DASHBOARD_UID,
+        "title": DASHBOARD_TITLE,
+        "description": "NIXL push-mode KV connector: handshakes by flavor, descriptor "
+                       "registrations saved, phase latency, executor queue wait, failures, "
+                       "PUSH_REG, pushes and KV leases. Generated by dashboards/generate.py from "
+                       "connector/vocabulary.py; do not edit by hand.",
+        "tags": ["vllm", "nixl", "kv-transfer", "push"],
+        "schemaVersion": SCHEMA_VERSION,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "weekStart": "",
+        "links": [],
+        "annotations": {"list": [{
+            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+            "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
+            "name": "Annotations & Alerts", "type": "dashboard"}]},
+        "templating": _templating(),
+        "panels": _layout(),
+    }
+
+
+def iter_panels(dashboard: dict[str, Any]) -> Iterator[Panel]:
+    """Every non-row panel, including those inside collapsed rows."""
+    for panel in dashboard.get("panels", []):
+        if panel.get("type") == "row":
+            yield from panel.get("panels", [])
+        else:
+            yield panel

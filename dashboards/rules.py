@@ -1,0 +1,216 @@
+"""Prometheus recording rules and alerts, built from `connector.vocabulary`.
+
+Thresholds are the constants below; dashboards/README.md lists every rule and
+dashboards/rules/nixl-push.rules.test.yaml tests each alert firing and quiet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from connector import vocabulary as V
+from connector.vocabulary import Label
+from dashboards.queries import (
+    D_TO_P,
+    FAILURE,
+    FLAVOR,
+    FULL,
+    INSTANCE,
+    NOT_SUCCESS,
+    NOTIF_ONLY,
+    QUEUE_WAIT,
+    RECEIVE_SUCCESS,
+    STILL_WANTED,
+    UNKNOWN_REQUEST,
+    by,
+    eq,
+    hcount,
+    quantile,
+    sel,
+    total,
+)
+
+RULES_FILE = "rules/nixl-push.rules.yaml"
+
+# Alert thresholds (seconds / ratios / windows); see dashboards/README.md.
+FAILURE_RATIO_THRESHOLD = 0.10
+P99_LATENCY_THRESHOLD_S = 2.5
+QUEUE_WAIT_P95_THRESHOLD_S = 0.5
+RECEIVE_P99_THRESHOLD_S = 5.0
+FULL_D_TO_P_WINDOW = "15m"
+# Three default side-channel timeouts (5 s each): past this a handshake is hung, not slow.
+STUCK_THRESHOLD_S = 15
+LEASE_EXPIRY_WINDOW = "10m"
+# Heartbeats go out every 5 s (a 30 s lease / 6): ids matching nothing for this long are
+# no stray late heartbeat but a decoder heartbeating the wrong prefill, or an id mismatch.
+UNKNOWN_HEARTBEAT_FOR = "15m"
+
+
+def s(series: str, *matchers: str) -> str:
+    """A selector without the dashboard variables: rules see every job and instance."""
+    return sel(series, *matchers, scoped=False)
+
+
+def _lease_alerts() -> list[dict[str, Any]]:
+    """KV leases: lost while a decoder still wanted them; heartbeats renewing nothing."""
+    expiries, renewals = total(V.KV_LEASE_EXPIRIES), total(V.KV_LEASE_RENEWALS)
+    win = LEASE_EXPIRY_WINDOW
+    return [
+        {"alert": "NixlKvLeaseExpiredWhileWanted",
+         "expr": f"sum {by(*INSTANCE, Label.FATE)} (increase({s(expiries, STILL_WANTED)}[{win}]))\n> 0",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "KV leases expired while a decoder waited, on {{ $labels.instance }}",
+             "description": "{{ $value }} KV lease(s) on prefill engine {{ $labels.instance }} "
+                            f"expired in the last {win} with fate {{{{ $labels.fate }}}}: a "
+                            "decoder still wanted the request (waiting: it heartbeated but sent no "
+                            "PUSH_REG in time; registered: its PUSH_REG arrived but no WRITE was "
+                            "posted). The blocks are released and the decoder recomputes or "
+                            "fails the request."}},
+        {"alert": "NixlHeartbeatsMatchNothing",
+         "expr": f"sum {by(*INSTANCE)} (rate({s(renewals, UNKNOWN_REQUEST)}[5m]))\n> 0",
+         "for": UNKNOWN_HEARTBEAT_FOR,
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "Heartbeats renew nothing on {{ $labels.instance }}",
+             "description": "Decoders' heartbeats have named request ids that prefill engine "
+                            "{{ $labels.instance }} neither holds nor recently held "
+                            "({{ printf \"%.2f\" $value }} ids/s) for "
+                            f"{UNKNOWN_HEARTBEAT_FOR}: a decoder heartbeats the wrong prefill, "
+                            "this engine restarted, or request ids no longer match. Those leases "
+                            "are not renewed, so requests queued on a decoder can lose their KV."}},
+    ]
+
+
+def build_rules() -> dict[str, Any]:
+    """The rule groups: recording rules, then alerts (one per engine: `INSTANCE`)."""
+    dur_count, hs_total = hcount(V.HANDSHAKE_DURATION), total(V.HANDSHAKES)
+
+    full_d_to_p = s(hs_total, D_TO_P, FULL)
+    recording = [
+        {"record": "instance:vllm_nixl_handshakes:rate5m",
+         "expr": f"sum {by(*INSTANCE, *FLAVOR)} (\n  rate({dur_count}[5m])\n)"},
+        {"record": "instance:vllm_nixl_handshakes_d_to_p_notif_only:ratio1h",
+         "expr": f"sum {by(*INSTANCE)} (increase({s(dur_count, D_TO_P, NOTIF_ONLY)}[1h]))\n"
+                 f"/\n(sum {by(*INSTANCE)} (increase({s(dur_count, D_TO_P)}[1h])) > 0)"},
+        {"record": "instance:vllm_nixl_handshake_failures:ratio_rate5m",
+         "expr": f"(\n  sum {by(*INSTANCE, Label.DIRECTION)} (rate({s(hs_total, FAILURE)}[5m]))\n"
+                 f"  or\n  sum {by(*INSTANCE, Label.DIRECTION)} (rate({hs_total}[5m])) * 0\n)\n"
+                 f"/\n(sum {by(*INSTANCE, Label.DIRECTION)} (rate({hs_total}[5m])) > 0)"},
+        {"record": "instance:vllm_nixl_handshake_duration_seconds:p99_rate5m",
+         "expr": quantile(0.99, V.HANDSHAKE_DURATION, (*INSTANCE, *FLAVOR), "5m", scoped=False,
+                          multiline=True)},
+        {"record": "instance:vllm_nixl_handshake_queue_wait_seconds:p95_rate5m",
+         "expr": quantile(0.95, V.HANDSHAKE_PHASE_DURATION, (*INSTANCE, Label.DIRECTION), "5m",
+                          QUEUE_WAIT, scoped=False, multiline=True)},
+        {"record": "instance:vllm_nixl_push_receive_duration_seconds:p99_rate5m",
+         "expr": quantile(0.99, V.RECEIVE_DURATION, (*INSTANCE, Label.OUTCOME), "5m",
+                          scoped=False, multiline=True)},
+        {"record": "instance:vllm_nixl_descriptors_saved:rate5m",
+         "expr": f"sum {by(*INSTANCE, Label.DIRECTION)} (\n  rate({total(V.DESCRIPTORS_SAVED)}[5m])\n)"},
+    ]
+    win = FULL_D_TO_P_WINDOW
+    alerts = [
+        {"alert": "NixlFullDToPHandshake",
+         "expr": f"(sum {by(*INSTANCE)} (increase({full_d_to_p}[{win}])) > 0)\nor\n"
+                 f"count {by(*INSTANCE)} (({full_d_to_p} > 0) unless {full_d_to_p} offset {win})",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "Full D->P NIXL handshake in push mode on {{ $labels.instance }}",
+             "description": "{{ $value }} full (descriptor-preparing) decode-to-prefill "
+                            f"handshake(s) in the last {win} on {{{{ $labels.instance }}}} "
+                            "(engine {{ $labels.engine }}). In push mode D only needs P's agent "
+                            "for notifications, so the notification-only handshake has "
+                            "regressed. The second branch catches a series born by its first "
+                            "handshake, which increase() cannot see."}},
+        {"alert": "NixlHandshakeFailureRatioHigh",
+         "expr": f"sum {by(*INSTANCE, Label.DIRECTION)} (rate({s(hs_total, FAILURE)}[15m]))\n"
+                 f"/\nsum {by(*INSTANCE, Label.DIRECTION)} (rate({hs_total}[15m]))\n"
+                 f"> {FAILURE_RATIO_THRESHOLD}",
+         "for": "5m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "NIXL handshakes failing on {{ $labels.instance }}",
+             "description": "{{ $value | humanizePercentage }} of {{ $labels.direction }} "
+                            "handshakes failed over 15m (threshold "
+                            f"{FAILURE_RATIO_THRESHOLD:.0%}); see the failures by phase and "
+                            "error type on the NIXL push handshakes dashboard."}},
+        {"alert": "NixlHandshakeLatencyP99High",
+         "expr": quantile(0.99, V.HANDSHAKE_DURATION, (*INSTANCE, *FLAVOR), "10m", scoped=False,
+                          drop_nan=False, multiline=True) + f" > {P99_LATENCY_THRESHOLD_S}",
+         "for": "5m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "Slow NIXL handshakes on {{ $labels.instance }}",
+             "description": "p99 of {{ $labels.direction }} handshakes (notif_agents_only="
+                            "{{ $labels.notif_agents_only }}) is {{ $value | humanizeDuration }} "
+                            f"over 10m (threshold {P99_LATENCY_THRESHOLD_S}s)."}},
+        {"alert": "NixlHandshakeQueueWaitHigh",
+         "expr": quantile(0.95, V.HANDSHAKE_PHASE_DURATION, (*INSTANCE, Label.DIRECTION), "10m",
+                          QUEUE_WAIT, scoped=False, drop_nan=False, multiline=True)
+         + f" > {QUEUE_WAIT_P95_THRESHOLD_S}",
+         "for": "5m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "NIXL handshakes queueing in the executor on {{ $labels.instance }}",
+             "description": "p95 executor queue wait of {{ $labels.direction }} handshakes is "
+                            "{{ $value | humanizeDuration }} over 10m (threshold "
+                            f"{QUEUE_WAIT_P95_THRESHOLD_S}s): handshakes wait behind each "
+                            "other in vLLM's handshake executor."}},
+        {"alert": "NixlHandshakeStuck",
+         "expr": f"max {by(*INSTANCE, Label.DIRECTION)} ({V.HANDSHAKE_OLDEST_IN_FLIGHT.name})"
+                 f" > {STUCK_THRESHOLD_S}",
+         "for": "1m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "NIXL handshake stuck on {{ $labels.instance }}",
+             "description": "A {{ $labels.direction }} handshake has been in flight for "
+                            "{{ $value | humanizeDuration }} (threshold "
+                            f"{STUCK_THRESHOLD_S}s, three side-channel timeouts): it is hung, "
+                            "and every handshake queued behind it in vLLM's one-thread "
+                            "executor waits too."}},
+        {"alert": "NixlPushRegRejected",
+         "expr": f"sum {by(*INSTANCE, Label.REASON)} (increase({s(total(V.PUSH_REG_REJECTED))}[10m]))"
+                 "\n> 0",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "Malformed PUSH_REG notifications on {{ $labels.instance }}",
+             "description": "{{ $value }} PUSH_REG notification(s) dropped as "
+                            "{{ $labels.reason }} in the last 10m: a decoder runs an "
+                            "incompatible build, or something else sends to this agent."}},
+        {"alert": "NixlPushesFailing",
+         "expr": f"sum {by(*INSTANCE)} "
+                 f"(increase({s(total(V.PUSHES), eq(Label.OUTCOME, V.PushEvent.FAILED))}[10m]))\n> 0",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "KV pushes failing on {{ $labels.instance }}",
+             "description": "{{ $value }} KV push(es) failed on prefill engine "
+                            "{{ $labels.instance }} in the last 10m."}},
+        {"alert": "NixlReceivesFailing",
+         "expr": f"sum {by(*INSTANCE, Label.OUTCOME)} (increase({s(hcount(V.RECEIVE_DURATION), NOT_SUCCESS)}"
+                 f"[10m]))\n> 0",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "KV receives failing on {{ $labels.instance }}",
+             "description": "{{ $value }} KV receive(s) ended with outcome {{ $labels.outcome }} "
+                            "on decode engine {{ $labels.instance }} in the last 10m: the request "
+                            "got no pushed KV (failure: handshake or PUSH_REG failed; expired: "
+                            "nothing landed within the registration timeout). Open an exemplar "
+                            "of the receive latency panel for the request's trace."}},
+        {"alert": "NixlReceiveLatencyP99High",
+         "expr": quantile(0.99, V.RECEIVE_DURATION, INSTANCE, "10m", RECEIVE_SUCCESS,
+                          scoped=False, drop_nan=False, multiline=True)
+         + f" > {RECEIVE_P99_THRESHOLD_S}",
+         "for": "5m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "Slow KV receives on {{ $labels.instance }}",
+             "description": "p99 of successful KV receives on decode engine {{ $labels.instance }} "
+                            "is {{ $value | humanizeDuration }} over 10m (threshold "
+                            f"{RECEIVE_P99_THRESHOLD_S}s), from registration to KV landed."}},
+        *_lease_alerts(),
+    ]
+    return {"groups": [
+        {"name": "nixl-push.recording", "rules": recording},
+        {"name": "nixl-push.alerts", "rules": alerts},
+    ]}
