@@ -61,7 +61,7 @@ $(SYS_STAMP):
 	@touch $@
 
 lint: venv
-	$(VENV)/bin/ruff check connector harness dashboards tests benchmarks demo
+	$(VENV)/bin/ruff check connector harness dashboards tests benchmarks demo deploy
 
 check-dashboards: venv
 	$(PY) -m dashboards.generate --check
@@ -82,7 +82,8 @@ LANE033_SKIP := $(if $(LANE033_ALL),,--ignore=tests/test_router.py --ignore=test
   --ignore=tests/test_telemetry_backends.py --ignore=tests/test_metric_registry.py \
   --ignore=tests/test_shapes.py --ignore=tests/test_reliability_real.py --ignore=tests/test_bench_smoke.py \
   --ignore=tests/test_otlp_export.py --ignore=tests/test_write_span_placement.py --ignore=tests/test_exemplars.py \
-  --ignore=tests/test_bad_config.py --ignore=tests/test_tracing_setup.py --ignore=tests/test_load.py -m "not serve and not prometheus")
+  --ignore=tests/test_bad_config.py --ignore=tests/test_tracing_setup.py --ignore=tests/test_load.py \
+  --ignore=tests/test_deploy.py -m "not serve and not prometheus")
 test-vllm033: venv-vllm033 system-deps
 	VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm033 \
 	  $(PY033) -m pytest -q -p no:cacheprovider $(if $(LANE033_ALL),-m "not serve",$(LANE033_SKIP)) $(PYTEST_ARGS)
@@ -104,28 +105,15 @@ demo: setup
 demo-harness: setup
 	$(PY) -m harness.demo
 
-# Every benchmark, one after the other (about 70 min here; the three real `vllm serve` ones about 30 of them);
-# engine logs go to .cache/bench/engine-logs and .cache/bench/serve-*.
-# benchmarks.scale also writes .cache/bench/scale.json and scale.png.
-BENCH_LOGS := $(CURDIR)/.cache/bench/engine-logs
+# Every benchmark (`python -m benchmarks <name>`; `python -m benchmarks --help` lists them), one after the
+# other: each prints its figures and writes .cache/bench/<name>/<name>.json (a PNG where a chart helps), with
+# its engine logs next to it. `overhead` (real `vllm serve`) needs py-spy (pip install py-spy), which is not a
+# project dependency.
+BENCHMARKS ?= handshake first-request producers backends
 bench: setup
-	@mkdir -p $(BENCH_LOGS) && echo "engine logs: $(BENCH_LOGS)"
-	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.run
-	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.first_request
-	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.cpu_cost
-	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.cpu_ab
-	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.cpu_ab --bulk
-	$(PY) -m benchmarks.otlp_encode
-	$(PY) -m benchmarks.span_cost
-	HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.scale --out .cache/bench
-	$(PY) -m benchmarks.serve_sharing --workdir .cache/bench/serve-sharing
-	$(PY) -m benchmarks.serve_cpu --workdir .cache/bench/serve-cpu
-	@# The two profiles need py-spy (pip install py-spy), which is not a project dependency.
-	@if [ -x $(VENV)/bin/py-spy ]; then \
-	  HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.profile_push --blocking --seconds 30 --no-tracing && \
-	  HARNESS_LOG_DIR=$(BENCH_LOGS) $(PY) -m benchmarks.profile_push --blocking --seconds 30 && \
-	  $(PY) -m benchmarks.profile_serve --workdir .cache/bench/profile-serve; \
-	else echo "py-spy is not installed: skipping benchmarks.profile_push and benchmarks.profile_serve"; fi
+	@for b in $(BENCHMARKS); do $(PY) -m benchmarks $$b || exit 1; done
+	@if [ -x $(VENV)/bin/py-spy ]; then $(PY) -m benchmarks overhead; \
+	else echo "py-spy is not installed (pip install py-spy): skipping python -m benchmarks overhead"; fi
 
 clean:
 	rm -rf $(VENV) $(VENV033) .cache

@@ -23,6 +23,9 @@ class Phase(_Vocab):
     QUEUE_WAIT = "queue_wait"
     METADATA_FETCH = "metadata_fetch"
     METADATA_DECODE = "metadata_decode"
+    # Waiting for another handshake of this worker to finish its NIXL/vLLM registration
+    # (they run one at a time: vLLM's NIXL agent has no thread synchronisation).
+    REGISTRATION_WAIT = "registration_wait"
     AGENT_LOAD = "agent_load"
     TRANSFER_PLAN = "transfer_plan"
     DESCRIPTOR_REGISTRATION = "descriptor_registration"

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +118,14 @@ PROGRESS_DELAY_US = 100
 
 
 def kv_transfer_config(connector: str, kv_role: str, engine_id: str,
-                       progress_delay_us: int | None = PROGRESS_DELAY_US) -> dict[str, Any]:
-    """`--kv-transfer-config` for the fork (`connector` package) or vLLM's own class."""
+                       progress_delay_us: int | None = PROGRESS_DELAY_US,
+                       kv_buffer_device: str = "cpu") -> dict[str, Any]:
+    """`--kv-transfer-config` for the fork (`connector` package) or vLLM's own class.
+
+    `kv_buffer_device` is "cpu" here (no GPU); deploy/ passes "cuda" for GPU engines.
+    """
     kv: dict[str, Any] = {"kv_connector": "NixlPushConnector", "kv_role": kv_role,
-                          "engine_id": engine_id, "kv_buffer_device": "cpu"}
+                          "engine_id": engine_id, "kv_buffer_device": kv_buffer_device}
     if connector == "fork":
         kv["kv_connector_module_path"] = "connector"
         if progress_delay_us is not None:
@@ -128,6 +133,26 @@ def kv_transfer_config(connector: str, kv_role: str, engine_id: str,
     elif connector != "stock":
         raise ValueError(f"unknown connector {connector!r}: use 'fork' or 'stock'")
     return kv
+
+
+# Flags for the demo's model and machine, not for the connector: the tiny Llama has no tokenizer
+# (token-id prompts) and float32 random weights; on CPU, eager mode and a small KV cache start fast.
+DEMO_MODEL_FLAGS: tuple[str, ...] = ("--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+                                     "--max-model-len", "512", "--kv-cache-memory-bytes", "64M")
+
+
+def serve_args(model: str, kv: dict[str, Any], *, served_model_name: str = SERVED_MODEL,
+               model_flags: Sequence[str] = DEMO_MODEL_FLAGS, otlp_endpoint: str | None = None) -> list[str]:
+    """`vllm serve` arguments after `serve`, without --host/--port (where it listens is the caller's).
+
+    One definition for the demo and the Kubernetes manifests: tests/test_deploy.py checks that
+    deploy/ runs this list with its own model, model flags and endpoint.
+    """
+    args = [model, "--served-model-name", served_model_name, *model_flags,
+            "--kv-transfer-config", json.dumps(kv)]
+    if otlp_endpoint:
+        args += ["--otlp-traces-endpoint", otlp_endpoint]
+    return args
 
 
 class VllmServer(Process):
@@ -155,14 +180,9 @@ class VllmServer(Process):
         kv = kv_transfer_config(connector, kv_role, engine_id, progress_delay_us)
         for key, value in (kv_overrides or {}).items():  # (a dict, e.g. the extra config, is merged)
             kv[key] = {**kv.get(key, {}), **value} if isinstance(value, dict) else value
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
-               "--served-model-name", SERVED_MODEL,
-               "--host", LOOPBACK, "--port", str(self.port), "--skip-tokenizer-init",
-               "--enforce-eager", "--dtype", "float32",
-               "--max-model-len", "512", "--kv-cache-memory-bytes", "64M",
-               "--kv-transfer-config", json.dumps(kv)]
-        if otlp_endpoint:
-            cmd += ["--otlp-traces-endpoint", otlp_endpoint]
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
+               *serve_args(str(model), kv, otlp_endpoint=otlp_endpoint),
+               "--host", LOOPBACK, "--port", str(self.port)]
         super().__init__(f"vllm serve {name}", cmd, env, workdir / f"vllm-{name}.log")
 
     @property

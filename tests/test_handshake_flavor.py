@@ -38,7 +38,9 @@ def bare_worker(kv_role="kv_both"):
     w._spans = SpanEmitter(None)
     w.tp_rank, w.engine_id = 0, "me"
     w._evict_stale_engines = lambda: None
-    w._handshake_initiation_executor = RecordingExecutor()
+    w._handshake_pool = RecordingExecutor()
+    w._attempt_lock = threading.Lock()
+    w._engine_attempts = {}
     w._retry_policy = RetryPolicy()
     w._in_flight = InFlight()
     return w
@@ -52,12 +54,12 @@ def ensure(w, trigger, notif_only_requested=False):
 def test_heartbeat_is_notification_only_even_when_vllm_asks_for_full():
     w = bare_worker("kv_consumer")
     fut = ensure(w, Trigger.HEARTBEAT, notif_only_requested=False)  # stock passes False for PP=1
-    [job] = w._handshake_initiation_executor.jobs
+    [job] = w._handshake_pool.jobs
     assert (job.direction, job.trigger, job.notif_only, job.upgrade) == (
         Direction.D_TO_P, Trigger.HEARTBEAT, True, False)
     # A PUSH_REG for the same peer joins it: no second handshake.
     assert ensure(w, Trigger.PUSH_REG) is fut
-    assert len(w._handshake_initiation_executor.jobs) == 1
+    assert len(w._handshake_pool.jobs) == 1
 
 
 def test_write_behind_a_queued_notif_only_handshake_queues_an_upgrade():
@@ -65,8 +67,10 @@ def test_write_behind_a_queued_notif_only_handshake_queues_an_upgrade():
     first = ensure(w, Trigger.HEARTBEAT)
     second = ensure(w, Trigger.PUSH_WRITE)
     assert second is not first
-    jobs = w._handshake_initiation_executor.jobs
-    assert [(j.notif_only, j.upgrade, j.direction) for j in jobs] == [
+    # One handshake at a time per remote engine: the upgrade waits behind the first.
+    [running] = w._handshake_pool.jobs
+    [(_, waiting)] = w._engine_attempts["peer"]
+    assert [(j.notif_only, j.upgrade, j.direction) for j in (running, waiting)] == [
         (True, False, Direction.D_TO_P), (False, True, Direction.P_TO_D)]
     # Both later kinds of caller now wait for the full one.
     assert ensure(w, Trigger.PUSH_WRITE) is second
@@ -80,7 +84,7 @@ def test_connected_notif_only_peer_is_upgraded_once_for_writes():
     assert ensure(w, Trigger.HEARTBEAT) is None  # notifications can go now
     upgrade = ensure(w, Trigger.PUSH_WRITE)
     assert upgrade is not None and ensure(w, Trigger.PUSH_WRITE) is upgrade
-    [job] = w._handshake_initiation_executor.jobs
+    [job] = w._handshake_pool.jobs
     assert (job.notif_only, job.upgrade) == (False, True)
 
 
@@ -89,4 +93,4 @@ def test_full_connection_serves_every_caller():
     w._remote_agents["peer"] = {(0, 0): "agent"}
     for trigger in Trigger:
         assert ensure(w, trigger) is None
-    assert w._handshake_initiation_executor.jobs == []
+    assert w._handshake_pool.jobs == []

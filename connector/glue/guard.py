@@ -116,7 +116,7 @@ WORKER_CALLS: tuple[Call, ...] = (
 # Attributes vLLM's worker constructor sets that the fork reads or replaces.
 WORKER_ATTRIBUTES: tuple[str, ...] = (
     "kv_transfer_config", "nixl_wrapper", "_remote_agents", "_handshake_lock",
-    "_handshake_futures", "_handshake_initiation_executor", "_engine_clock_offset",
+    "_handshake_futures", "_engine_clock_offset",
     "_engine_last_active", "xfer_stats", "tp_rank", "engine_id", "transfer_topo",
     "use_host_buffer", "device_id", "compat_hash", "enforce_compat_hash", "_is_csa_linear",
     "block_size", "src_xfer_handles_by_block_size", "block_len_per_layer",

@@ -6,6 +6,15 @@
   upgraded to a full one when a WRITE needs it (kv_both).
 - `_observed_handshake` (our words for vLLM's `_nixl_handshake`): the same
   side-channel exchange and checks, cut into the vocabulary's phases.
+- Handshakes to different remote engines run at once on a pool of our own
+  (`handshake_concurrency` threads), not on vLLM's one-thread executor, where the
+  M-th of M new producers waited for all the others. One remote engine still gets
+  one handshake at a time (an upgrade runs after the notification-only one it
+  follows). The side-channel exchange and decoding run in parallel; every NIXL and
+  vLLM registration call (agent load, transfer plan, descriptor lists) runs one
+  handshake at a time under `_registration_lock`, because vLLM builds its NIXL
+  agent without thread synchronisation (`NIXL_THREAD_SYNC_NONE`); time spent waiting
+  for it is its own phase, `registration_wait`.
 - Thin overrides of the methods vLLM's full `add_remote_agent` calls mark where one
   phase ends and the next begins; the business logic stays vLLM's.
 The handshake thread fills a plain record; spans and stats are built from it when
@@ -18,7 +27,10 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -60,6 +72,9 @@ from connector.vocabulary import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_HANDSHAKE_TIMEOUT_MS = 5000
+# Handshakes one worker runs at once (each to a different remote engine). Each mostly
+# waits on its peer's side channel, so a thread per new peer costs little.
+DEFAULT_HANDSHAKE_CONCURRENCY = 16
 
 
 @dataclass
@@ -97,6 +112,24 @@ _FLAVOR_BY_TRIGGER: dict[Trigger, tuple[Direction, bool]] = {
 
 class HandshakeFlow(Flow):
     """Mixin for `NixlPushConnectorWorker`: handshake flavor, dedup, upgrade and phases."""
+
+    def _init_handshakes(self) -> None:
+        extra = self.kv_transfer_config.get_from_extra_config
+        self._handshake_timeout_ms = int(extra("handshake_timeout_ms", DEFAULT_HANDSHAKE_TIMEOUT_MS))
+        concurrency = int(extra("handshake_concurrency", DEFAULT_HANDSHAKE_CONCURRENCY))
+        if concurrency < 1:
+            raise ValueError(f"handshake_concurrency must be >= 1, got {concurrency}")
+        self._handshake_pool = ThreadPoolExecutor(concurrency, thread_name_prefix="nixl-handshake")
+        self._registration_lock = threading.Lock()
+        # Remote engine -> attempts waiting behind the one that runs (under _attempt_lock).
+        self._engine_attempts: dict[str, deque[tuple[_HandshakeJob, HandshakeRecord]]] = {}
+        self._attempt_lock = threading.Lock()
+
+    def shutdown(self) -> None:
+        pool = getattr(self, "_handshake_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        super().shutdown()
 
     # ------------------------------------------------------------------ triggers
     def _push_writer_loop(self) -> None:
@@ -197,7 +230,7 @@ class HandshakeFlow(Flow):
     def _submit_handshake(self, engine_id: str, host: str, port: int, tp_size: int,
                           tail: dict[str, Any], direction: Direction, trigger: Trigger, *,
                           notif_only: bool, upgrade: bool) -> Future:
-        """Queue a handshake on vLLM's one-thread executor (lock held by caller).
+        """Queue a handshake on the handshake pool (lock held by caller).
 
         Callers get one future for the whole handshake; behind it, each attempt is its
         own record (counted once, with one outcome). A transient failure (side channel
@@ -226,17 +259,45 @@ class HandshakeFlow(Flow):
             parent_context=job.parent_context, attempt=job.attempt,
         )
         self._in_flight.add(record)
+        with self._attempt_lock:
+            waiting = self._engine_attempts.get(job.engine_id)
+            if waiting is not None:  # this engine's previous handshake still runs
+                waiting.append((job, record))
+                return
+            self._engine_attempts[job.engine_id] = deque()
+        self._submit_attempt(job, record)
+
+    def _submit_attempt(self, job: _HandshakeJob, record: HandshakeRecord) -> None:
         try:
-            inner = self._handshake_initiation_executor.submit(
-                self._run_handshake, record, int(job.tail.get("dcp_size", 1) or 1))
-        except RuntimeError as exc:  # executor shut down (engine stopping)
+            inner = self._handshake_pool.submit(self._run_handshake, record,
+                                                int(job.tail.get("dcp_size", 1) or 1))
+        except RuntimeError as exc:  # pool shut down (engine stopping)
             record.finish(exc)
             self._in_flight.discard(record)
             self._finish_job(job, record, None, exc)
+            self._next_attempt(job.engine_id)
             return
         inner.add_done_callback(partial(self._on_attempt_done, job, record))
 
+    def _next_attempt(self, engine_id: str) -> None:
+        """The engine's handshake is over: start the one waiting behind it, if any."""
+        with self._attempt_lock:
+            waiting = self._engine_attempts.get(engine_id)
+            if not waiting:
+                self._engine_attempts.pop(engine_id, None)
+                return
+            job, record = waiting.popleft()
+        self._submit_attempt(job, record)
+
     def _on_attempt_done(self, job: _HandshakeJob, record: HandshakeRecord, inner: Future) -> None:
+        try:
+            self._attempt_done(job, record, inner)
+        finally:
+            # After the connection state is updated: an upgrade waiting behind a
+            # notification-only handshake must find it in place.
+            self._next_attempt(job.engine_id)
+
+    def _attempt_done(self, job: _HandshakeJob, record: HandshakeRecord, inner: Future) -> None:
         self._in_flight.discard(record)
         exc = inner.exception()
         if exc is not None:
@@ -341,20 +402,34 @@ class HandshakeFlow(Flow):
                     best_rtt, best_offset = reply.rtt, reply.clock_offset
                 record.enter(Phase.METADATA_DECODE)
                 meta = self._decode_and_check(reply.payload, record.remote_engine_id, channel.path)
-                if record.notif_only:
-                    self._count_saving(record, meta)
-                    record.enter(Phase.AGENT_LOAD)
-                    name = self._add_notif_only_remote_agent(meta, **accepted(
-                        _BASE._add_notif_only_remote_agent, remote_tp_size=record.remote_tp_size,
-                        remote_dcp_size=meta.dcp_size))
-                else:
-                    record.enter(Phase.TRANSFER_PLAN)
-                    name = self.add_remote_agent(meta, **accepted(
-                        _BASE.add_remote_agent, remote_tp_rank=tp_rank,
-                        remote_tp_size=record.remote_tp_size, remote_dcp_size=meta.dcp_size))
-                record.close_phase()
+                with self._registering(record):
+                    if record.notif_only:
+                        self._count_saving(record, meta)
+                        record.enter(Phase.AGENT_LOAD)
+                        name = self._add_notif_only_remote_agent(meta, **accepted(
+                            _BASE._add_notif_only_remote_agent, remote_tp_size=record.remote_tp_size,
+                            remote_dcp_size=meta.dcp_size))
+                    else:
+                        record.enter(Phase.TRANSFER_PLAN)
+                        name = self.add_remote_agent(meta, **accepted(
+                            _BASE.add_remote_agent, remote_tp_rank=tp_rank,
+                            remote_tp_size=record.remote_tp_size, remote_dcp_size=meta.dcp_size))
+                    record.close_phase()
                 agents[(pp_rank, tp_rank)] = name
         return agents, best_offset
+
+    @contextmanager
+    def _registering(self, record: HandshakeRecord) -> Iterator[None]:
+        """One handshake at a time past this point (NIXL and vLLM's tables); waiting
+        for the others is the `registration_wait` phase (only when there was a wait)."""
+        lock = self._registration_lock
+        if not lock.acquire(blocking=False):
+            record.enter(Phase.REGISTRATION_WAIT)
+            lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _decode_and_check(self, payload_bytes: bytes, expected_engine_id: str,
                           path: str) -> NixlAgentMetadata:
@@ -446,7 +521,9 @@ class HandshakeFlow(Flow):
         return super()._build_mamba_remote(*args, **kwargs)
 
     def _cleanup_remote_engine(self, engine_id: str, *args: Any, **kwargs: Any) -> None:
-        super()._cleanup_remote_engine(engine_id, *args, **kwargs)
+        # (NIXL calls: never at the same time as a handshake's.)
+        with self._registration_lock:
+            super()._cleanup_remote_engine(engine_id, *args, **kwargs)
         with self._handshake_lock:
             self._notif_only_engines.discard(engine_id)
 

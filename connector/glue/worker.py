@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 from connector.glue.compat import RemoteAgentTable
 from connector.glue.cpu_affinity import EXTRA_CONFIG_KEY as AFFINITY_KEY
 from connector.glue.guard import check_worker
-from connector.glue.handshakes import DEFAULT_HANDSHAKE_TIMEOUT_MS, HandshakeFlow
+from connector.glue.handshakes import HandshakeFlow
 from connector.glue.host_settings import HostSettings
 from connector.glue.leases import LeaseFlow
 from connector.glue.nixl_probe import NixlAgentProbe
@@ -92,7 +92,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, NixlPu
                              sorted(affinity.pinned or ()), AFFINITY_KEY)
         check_worker(self)  # the vLLM surface we rely on (connector/glue/guard.py)
         extra = self.kv_transfer_config.get_from_extra_config
-        self._handshake_timeout_ms = int(extra("handshake_timeout_ms", DEFAULT_HANDSHAKE_TIMEOUT_MS))
+        self._init_handshakes()
         self._kv_role = self.kv_transfer_config.kv_role
         self._hb_handshake_notif_only = True
         # What an untagged handshake on vLLM's writer thread is for (handshakes.py).

@@ -1,0 +1,1 @@
+"""Kubernetes deployment: image recipe, kustomize base, components and overlays (docs/kubernetes.md)."""
