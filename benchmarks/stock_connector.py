@@ -1,6 +1,6 @@
 """vLLM's own `NixlPushConnector`, built under the same two deployment settings as the fork.
 
-For `benchmarks.serve_cpu` only: a stock engine pair on a shared 2-core host would
+For `python -m benchmarks overhead` only: a stock engine pair on a shared 2-core host would
 otherwise spin a core per worker in NIXL's progress thread and put both workers on
 the same core (see connector/glue/host_settings.py), and the
 benchmark would measure that instead of the connectors. Nothing else of the fork is

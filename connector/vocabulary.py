@@ -126,12 +126,35 @@ class PushRegRejection(_Vocab):
     OVERSIZED = "oversized"
     FAILED = "processing_failed"  # valid fields, but acting on it raised
     AFTER_LEASE = "after_lease_expired"  # arrived after P's KV lease for the request ended
+    UNMATCHED = "unmatched"  # no request on P matched it within unmatched_push_reg_timeout_s
 
 
 class PushFailReason(_Vocab):
     """Why P told a decoder that its request's KV will never be pushed."""
 
     LEASE_EXPIRED = "lease_expired"  # P's lease ended before the PUSH_REG or before the WRITE
+    PUSH_FAILED = "push_failed"  # P's WRITE into the decoder's blocks failed
+    NO_PREFILL = "no_prefill"  # no request on P matched the PUSH_REG in time (P restarted?)
+
+
+class ReceiveFailure(_Vocab):
+    """Why a decode worker failed a receive (vLLM then recomputes or fails the request,
+    per `kv_load_failure_policy`) instead of waiting for `push_registration_timeout`."""
+
+    HANDSHAKE_FAILED = "handshake_failed"  # D->P handshake failed after its retries
+    LEASE_EXPIRED = "lease_expired"  # PUSH_FAIL: P's lease ended first
+    PUSH_FAILED = "push_failed"  # PUSH_FAIL: P's WRITE failed
+    NO_PREFILL = "no_prefill"  # PUSH_FAIL: P never had the request (restarted?)
+    PEER_RESTARTED = "peer_restarted"  # P came back with a new NIXL agent: the KV died with it
+    PEER_UNREACHABLE = "peer_unreachable"  # P unreachable for longer than its lease lasts
+    OTHER = "other"  # failed by vLLM for a reason it did not tell us
+
+
+class PeerReset(_Vocab):
+    """Why a worker dropped its NIXL connection to a remote engine (and will re-handshake)."""
+
+    NOTIFICATION_FAILED = "notification_failed"  # a notification to its agent failed
+    TRANSFER_FAILED = "transfer_failed"  # a WRITE into its blocks failed
 
 
 class LeaseRenewal(_Vocab):
@@ -230,6 +253,10 @@ class Attr:
     LEASE_FATE = "vllm.nixl.kv_lease.fate"
     # On P's write span: heartbeats that renewed the request's lease.
     LEASE_RENEWALS = "vllm.nixl.kv_lease.renewals"
+    # On a handshake made after the connection to its peer was dropped: why (PeerReset),
+    # and whether the peer came back with a new NIXL agent (it restarted).
+    AFTER_RESET = "vllm.nixl.handshake.after_reset"
+    PEER_RESTARTED = "vllm.nixl.handshake.peer_restarted"
 
 
 class LinkRole(_Vocab):
@@ -293,7 +320,8 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     Label.LIST: tuple(x.value for x in DescriptorList),
     Label.REASON: tuple(dict.fromkeys(
         [t.value for t in TelemetryError] + [r.value for r in PushRegRejection]
-        + [r.value for r in SideChannelRejection])),
+        + [r.value for r in SideChannelRejection] + [r.value for r in ReceiveFailure]
+        + [r.value for r in PeerReset])),
     Label.FATE: tuple(f.value for f in LeaseFate),
 }
 
@@ -520,6 +548,29 @@ REMOTE_PREFILL_OLDEST_WAIT = MetricSpec(
     unit="s",
 )
 
+# -- peers that stop working, and what a decoder does about its waiting requests ----------
+PEER_RESETS = MetricSpec(
+    "vllm:nixl_peer_resets",
+    MetricKind.COUNTER,
+    (Label.DIRECTION, Label.REASON),
+    "NIXL connections to a remote engine this engine's workers dropped because they stopped "
+    "working (a notification or a WRITE to its agent failed); the next request re-handshakes.",
+)
+PEER_RESTARTS = MetricSpec(
+    "vllm:nixl_peer_restarts",
+    MetricKind.COUNTER,
+    (Label.DIRECTION,),
+    "Re-handshakes that found a remote engine back under the same engine id with a new NIXL "
+    "agent (it restarted): the requests it held are failed at once, not left waiting.",
+)
+RECEIVE_FAILURES = MetricSpec(
+    "vllm:nixl_receive_failures",
+    MetricKind.COUNTER,
+    (Label.REASON,),
+    "KV receives a decode worker failed, by why, instead of waiting for "
+    "push_registration_timeout (vLLM then recomputes or fails the request).",
+)
+
 ALL_METRICS: tuple[MetricSpec, ...] = (
     HANDSHAKES,
     HANDSHAKE_DURATION,
@@ -546,6 +597,9 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     HEARTBEATS,
     REMOTE_PREFILLS_WAITING,
     REMOTE_PREFILL_OLDEST_WAIT,
+    PEER_RESETS,
+    PEER_RESTARTS,
+    RECEIVE_FAILURES,
 )
 
 # ------------------------------------------------ start-up guard (connector/glue/guard.py)
@@ -575,6 +629,8 @@ METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (TELEMETRY_ERRORS.name, Label.REASON): tuple(t.value for t in TelemetryError),
     (KV_LEASE_RENEWALS.name, Label.OUTCOME): tuple(r.value for r in LeaseRenewal),
     (HEARTBEATS.name, Label.OUTCOME): tuple(o.value for o in NotifOutcome),
+    (PEER_RESETS.name, Label.REASON): tuple(r.value for r in PeerReset),
+    (RECEIVE_FAILURES.name, Label.REASON): tuple(r.value for r in ReceiveFailure),
 }
 
 
@@ -643,6 +699,9 @@ class StatKey:
     HEARTBEATS_FAILED = "heartbeats_failed"  # list of counts
     # D scheduler snapshot when its waiting requests changed: [[waiting, oldest_wait_s]]
     REMOTE_PREFILLS = "remote_prefills_waiting"
+    PEER_RESETS = "peer_resets"  # list of "direction|reason"
+    PEER_RESTARTS = "peer_restarts"  # list of direction values
+    RECEIVE_FAILURES = "receive_failures"  # list of ReceiveFailure values
 
 
 OUR_STAT_KEYS = (
@@ -665,6 +724,9 @@ OUR_STAT_KEYS = (
     StatKey.HEARTBEATS_SENT,
     StatKey.HEARTBEATS_FAILED,
     StatKey.REMOTE_PREFILLS,
+    StatKey.PEER_RESETS,
+    StatKey.PEER_RESTARTS,
+    StatKey.RECEIVE_FAILURES,
 )
 
 # PUSH_REG fields P acts on, with the types it needs (validated before use).

@@ -438,14 +438,46 @@ def _leases() -> list[Cell]:
     ]
 
 
+def _peers() -> list[Cell]:
+    resets, restarts = total(V.PEER_RESETS), total(V.PEER_RESTARTS)
+    failures = total(V.RECEIVE_FAILURES)
+    return [
+        Cell(count_stat("Peers that restarted",
+                        "Re-handshakes that found a remote engine back under the same engine id with "
+                        f"a new NIXL agent, in the dashboard range: {restarts}. The requests whose "
+                        "KV it held were failed at once (recomputed or failed by vLLM) instead of "
+                        "waiting for push_registration_timeout (alert NixlPeerRestarted)." + EXACT_NOTE,
+                        changed(restarts), bad_from=1), 6, 8, headline=True),
+        Cell(timeseries("Peer connections dropped/s",
+                        "NIXL connections to a remote engine dropped because a notification or a "
+                        f"WRITE to its agent failed, by direction and reason: rate of {resets}; the "
+                        "next request to it handshakes again. Re-handshakes that found the peer "
+                        f"restarted: rate of {restarts}.",
+                        [target(f"sum {by(Label.DIRECTION, Label.REASON)} (rate({sel(resets)}[{RATE}]))",
+                                "dropped {{direction}} {{reason}}"),
+                         target(f"sum {by(Label.DIRECTION)} (rate({sel(restarts)}[{RATE}]))",
+                                "restarted {{direction}}")],
+                        "suffix: peers/s"), 9, 8),
+        Cell(timeseries("Receives failed/s by reason (D)",
+                        "KV receives a decode worker failed instead of waiting for "
+                        "push_registration_timeout, by reason: rate of "
+                        f"{failures} (handshake_failed, lease_expired, push_failed, no_prefill, "
+                        "peer_restarted, peer_unreachable, other). vLLM recomputes or fails each "
+                        "request, per kv_load_failure_policy.",
+                        [target(f"sum {by(Label.REASON)} (rate({sel(failures)}[{RATE}]))",
+                                "{{reason}}")],
+                        "suffix: receives/s"), 9, 8),
+    ]
+
+
 def _reliability() -> list[Cell]:
     in_flight, oldest = gauge(V.HANDSHAKES_IN_FLIGHT), gauge(V.HANDSHAKE_OLDEST_IN_FLIGHT)
     retries, rejected = total(V.HANDSHAKE_RETRIES), total(V.PUSH_REG_REJECTED)
     lost, sc_rejected = total(V.TELEMETRY_ERRORS), total(V.SIDE_CHANNEL_REJECTED)
     return [
         Cell(timeseries("Handshakes in flight",
-                        "Handshakes submitted and not finished (queued in vLLM's handshake "
-                        f"executor or running), by direction and flavor: {in_flight}, summed over "
+                        "Handshakes submitted and not finished (queued or running on the "
+                        f"handshake pool), by direction and flavor: {in_flight}, summed over "
                         "the engine's workers. A handshake that hangs shows here before it is counted.",
                         [target(f"sum {by(*FLAVOR)} ({sel(in_flight)})",
                                 "{{direction}} notif_only={{notif_agents_only}}")],
@@ -530,6 +562,7 @@ ROWS: tuple[tuple[str, bool, Callable[[], list[Cell]]], ...] = (
     ("Failures", False, _failures),
     ("Push flow", False, _push_flow),
     ("KV leases", False, _leases),
+    ("Peers", False, _peers),
     ("Reliability", False, _reliability),
     ("NIXL transfers (vLLM stock)", True, _stock),
 )

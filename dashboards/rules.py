@@ -44,6 +44,7 @@ LEASE_EXPIRY_WINDOW = "10m"
 # Heartbeats go out every 5 s (a 30 s lease / 6): ids matching nothing for this long are
 # no stray late heartbeat but a decoder heartbeating the wrong prefill, or an id mismatch.
 UNKNOWN_HEARTBEAT_FOR = "15m"
+PEER_RESTART_WINDOW = "10m"
 
 
 def s(series: str, *matchers: str) -> str:
@@ -79,6 +80,24 @@ def _lease_alerts() -> list[dict[str, Any]]:
                             f"{UNKNOWN_HEARTBEAT_FOR}: a decoder heartbeats the wrong prefill, "
                             "this engine restarted, or request ids no longer match. Those leases "
                             "are not renewed, so requests queued on a decoder can lose their KV."}},
+    ]
+
+
+def _peer_alerts() -> list[dict[str, Any]]:
+    """A remote engine came back with a new NIXL agent: the requests it held were lost."""
+    restarts = total(V.PEER_RESTARTS)
+    win = PEER_RESTART_WINDOW
+    return [
+        {"alert": "NixlPeerRestarted",
+         "expr": f"sum {by(*INSTANCE, Label.DIRECTION)} (increase({s(restarts)}[{win}]))\n> 0",
+         "labels": {"severity": "info"},
+         "annotations": {
+             "summary": "A NIXL peer of {{ $labels.instance }} restarted",
+             "description": "{{ $value }} re-handshake(s) of engine {{ $labels.instance }} "
+                            f"({{{{ $labels.direction }}}}) in the last {win} found the peer back "
+                            "under the same engine id with a new NIXL agent. The requests whose "
+                            "KV the old instance held were failed at once (recomputed or failed "
+                            "per kv_load_failure_policy); new requests use the new connection."}},
     ]
 
 
@@ -209,6 +228,7 @@ def build_rules() -> dict[str, Any]:
                             "is {{ $value | humanizeDuration }} over 10m (threshold "
                             f"{RECEIVE_P99_THRESHOLD_S}s), from registration to KV landed."}},
         *_lease_alerts(),
+        *_peer_alerts(),
     ]
     return {"groups": [
         {"name": "nixl-push.recording", "rules": recording},

@@ -179,7 +179,7 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         for key, var in (("max_queue_size", "OTEL_BSP_MAX_QUEUE_SIZE"),
                          ("max_export_batch_size", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"),
                          ("export_timeout_s", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"),
-                         # A sampler other than always-on (benchmarks.cpu_cost's ratio variant).
+                         # A sampler other than the SDK's default (always on).
                          ("sampler", "OTEL_TRACES_SAMPLER"),
                          ("sampler_arg", "OTEL_TRACES_SAMPLER_ARG"),
                          # The SDK's default is 5000 ms; tests see spans sooner with 200.

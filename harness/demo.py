@@ -19,6 +19,7 @@ from typing import Any
 
 from connector.vocabulary import SPAN_PUSH_RECEIVE, Attr
 from harness.otlp_receiver import OtlpGrpcReceiver
+from harness.poll import wait_until
 from harness.runner import PushHarness
 
 
@@ -75,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                 fe.observe(h.stats(name))
             for name in ("P", "D"):
                 h[name].call("spans")  # flush the batch span processors
-            time.sleep(1.0)
+            first = wait_until(lambda: next((s for s in receiver.snapshot() if s["name"] == SPAN_PUSH_RECEIVE
+                                             and s["attributes"].get(Attr.REQUEST_ID) == report.requests[0]),
+                                            None), "the first request's receive span at the receiver", 30)
             spans = receiver.snapshot()
-            first = next(s for s in spans if s["name"] == SPAN_PUSH_RECEIVE
-                         and s["attributes"].get(Attr.REQUEST_ID) == report.requests[0])
             print(f"\n# trace of request {report.requests[0]} (as received over OTLP)")
             print("\n".join(span_tree(spans, first["trace_id"])))
             handshake_traces = {s["trace_id"] for s in spans if s["name"] == "nixl.handshake"

@@ -13,19 +13,18 @@ import contextlib
 import gc
 import hashlib
 import os
-import re
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from harness.config import EngineSpec, build_kv_cache_config, build_vllm_config, engine_env
+from harness.faults import FaultCommands
+from harness.instruments import InstrumentCommands
 
 STEP_INTERVAL_S = 0.001
 # Like vLLM's engine core, which blocks when it has no work, an engine with nothing
@@ -70,16 +69,15 @@ def _descriptor_count(descs: Any) -> int:
     return int(rows[:, 4].sum()) if rows.ndim == 2 and rows.shape[1] == 5 else len(rows)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class Engine:
+class Engine(FaultCommands, InstrumentCommands):
+    """The engine emulation: vLLM's per-step connector calls, and the commands that drive
+    and read the push flow. Fault injection (`harness.faults`) and benchmark timing
+    (`harness.instruments`) are mixed in; every `cmd_<name>` is a command."""
+
     def __init__(self, spec: EngineSpec):
         import torch
         from vllm.config import set_current_vllm_config
@@ -134,7 +132,6 @@ class Engine:
         # like vLLM's scheduler, heartbeats name only requests still waiting.
         self._awaiting_kv: dict[str, tuple[str, str]] = {}
         self.last_heartbeat = 0.0
-        self.watched_logs: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ steps
     def _new_meta(self) -> Any:
@@ -362,107 +359,19 @@ class Engine:
         spans = getattr(self.worker, "_spans", None)
         return bool(spans is not None and spans.enabled)
 
-    def cmd_profile(self, path: str | None = None) -> str | None:
-        """cProfile the engine's main thread (steps and connector calls): start it, or
-        with `path`, stop it and write its stats there (a benchmark's tool)."""
-        import cProfile
-
-        if path is None:
-            self._profile = cProfile.Profile()
-            self._profile.enable()
-            return None
-        self._profile.disable()
-        self._profile.dump_stats(path)
-        writer = _WRITER_PROFILES.get(id(self.worker))
-        if writer is not None:  # HARNESS_PROFILE_WRITER: the writer thread's, since it started
-            writer.dump_stats(f"{path}.writer")
-        return path
-
     def cmd_tracer_kind(self) -> str | None:
         """The class of the tracer our spans come from."""
         spans = getattr(self.worker, "_spans", None)
         return None if spans is None or spans.tracer is None else type(spans.tracer).__name__
 
-    def cmd_timed_handshake(self, prefill: dict[str, Any]) -> dict[str, Any]:
-        """Time one heartbeat-style D->P handshake in this process (benchmarks).
-
-        The fork makes it notification-only; the stock connector does a full one
-        for a PP=1 producer. Memory is the process RSS before and after.
-        """
-
-        w, eid = self.worker, prefill["engine_id"]
-        rss0 = _rss_bytes()
-        t0 = time.perf_counter()
-        fut = _as_heartbeat(w, w._ensure_handshake, eid, prefill["host"], prefill["port"], 1, 1, 1, False)
-        if fut is not None:
-            fut.result(timeout=120)
-        seconds = time.perf_counter() - t0
-        while eid not in w._remote_agents:  # done-callbacks run just after result()
-            time.sleep(0.0005)
-        return {"seconds": seconds, "rss_delta": _rss_bytes() - rss0,
-                "dst_handles": len(w.dst_xfer_side_handles.get(eid, {}))}
-
-    def cmd_timed_handshakes(self, prefills: list[dict[str, Any]]) -> dict[str, Any]:
-        """Heartbeat-style D->P handshakes to several producers submitted at once (benchmarks):
-        seconds until the last is done. vLLM runs them one after the other on its
-        one-thread handshake executor; later ones wait in its queue."""
-
-        w = self.worker
-        t0 = time.perf_counter()
-        futs = []
-        for prefill in prefills:
-            futs.append(_as_heartbeat(w, w._ensure_handshake, prefill["engine_id"], prefill["host"],
-                                      prefill["port"], 1, 1, 1, False))
-        for fut in futs:
-            if fut is not None:
-                fut.result(timeout=300)
-        seconds = time.perf_counter() - t0
-        while any(p["engine_id"] not in w._remote_agents for p in prefills):
-            time.sleep(0.0005)
-        return {"seconds": seconds}
-
     def cmd_forget(self, engine_id: str) -> None:
         """Drop a remote engine (vLLM's TTL eviction path) so it can be re-measured."""
         self.worker._cleanup_remote_engine(engine_id)
-
-    def cmd_step_cost(self, n: int) -> float:
-        """Median seconds of one idle engine step (what every engine iteration pays)."""
-        samples = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            self.step()
-            samples.append(time.perf_counter() - t0)
-        samples.sort()
-        return samples[len(samples) // 2]
-
-    def cmd_step_parts(self, n: int) -> dict[str, float]:
-        """Median seconds of each connector call of an idle step (where a step's cost sits)."""
-        wc = self.worker_connector
-        parts: dict[str, Any] = {
-            "start_load_kv": lambda: (wc.bind_connector_metadata(self._new_meta()), wc.start_load_kv(None),
-                                      wc.clear_connector_metadata()),
-            "get_transfer_results": lambda: wc.get_transfer_results(set()),
-            "get_kv_connector_stats": wc.get_kv_connector_stats,
-        }
-        if self.scheduler_connector is not None:
-            parts["scheduler stats"] = self.scheduler_connector.get_kv_connector_stats
-        samples: dict[str, list[float]] = {name: [] for name in parts}
-        for _ in range(n):
-            for name, call in parts.items():
-                t0 = time.perf_counter()
-                call()
-                samples[name].append(time.perf_counter() - t0)
-        return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
     def cmd_batch(self, commands: list[tuple[str, tuple]]) -> list[Any]:
         """Run several commands in one round trip, before the next step (what one vLLM
         scheduler step hands its worker under load: many requests at once)."""
         return [getattr(self, f"cmd_{name}")(*args) for name, args in commands]
-
-    def cmd_finished_among(self, req_ids: list[str]) -> dict[str, int]:
-        """How many of `req_ids` finished receiving, and how many failed."""
-        return {"finished": sum(r in self.finished_recving for r in req_ids),
-                "failed": sum(r in self.failed_recving for r in req_ids)}
 
     def cmd_span_ledger(self) -> dict[str, int]:
         """Spans ended / dropped / exported / failed in this process (export_guard)."""
@@ -483,115 +392,8 @@ class Engine:
                       "_pending_d_registrations", "_engine_last_active", "_sending_transfers")
         return {name: len(getattr(w, name)) for name in tables if hasattr(w, name)}
 
-    def cmd_thread_cpu(self) -> dict[str, float]:
-        """CPU seconds of this process by thread: Python threads by name (numbered
-        suffixes dropped), every other thread (NIXL, UCX, gloo) as "native".
-
-        Read from the scheduler's per-thread run time (`schedstat`, nanoseconds); the
-        user+system ticks of `stat` (10 ms) are the fallback. At 10 ms a 400-request
-        round resolved 25 us per request, the size of the differences measured.
-        """
-        names = self.cmd_thread_names()
-        tick = os.sysconf("SC_CLK_TCK")
-        out: dict[str, float] = {}
-        for task in Path("/proc/self/task").iterdir():
-            try:
-                seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
-            except (OSError, ValueError, IndexError):
-                try:
-                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue  # the thread ended meanwhile
-                seconds = (int(fields[11]) + int(fields[12])) / tick
-            name = names.get(int(task.name), "native")
-            out[name] = out.get(name, 0.0) + seconds
-        return out
-
-    def cmd_stock_mode(self, on: bool) -> str:
-        """Fork engines only: run vLLM's stock code paths (`on`) or the fork's again, in
-        this same process (see harness.stock_swap); returns the worker's class name."""
-        if getattr(self, "_swap", None) is None:
-            from harness.stock_swap import StockSwap
-
-            self._swap = StockSwap(self.worker_connector, self.scheduler_connector, self.nixl_log)
-        if on:
-            self._swap.to_stock()
-        else:
-            self._swap.to_fork()
-        return type(self.worker).__name__
-
-    def cmd_known_work(self, us: float) -> list[str]:
-        """Burn `us` microseconds of CPU per request at each of this worker's per-request
-        sites (0: none); returns the methods wrapped (harness.known_work)."""
-        from harness.known_work import set_known_work
-
-        return set_known_work(self.worker, us)
-
-    def cmd_thread_names(self) -> dict[int, str]:
-        """Native thread id -> Python thread name (numbered suffixes dropped), for a
-        benchmark that reads this process's per-thread run time from outside."""
-        return {t.native_id: re.sub(r"[_-]\d+$", "", t.name) for t in threading.enumerate()
-                if t.native_id is not None}
-
-    def cmd_rss(self) -> int:
-        return _rss_bytes()
-
     def cmd_now(self) -> float:
         return time.perf_counter()
-
-    # ------------------------------------------------------- fault injection
-    def cmd_register_as(self, req_id: str, block_ids: list[int], prefill: dict[str, Any],
-                        remote_request_id: str, overrides: dict[str, Any]) -> None:
-        """D side: `cmd_register` with fields of the PUSH_REG payload replaced (or added).
-
-        Faults a real peer can produce: a side-channel address P cannot reach or that
-        stalls (`decode_host`/`decode_port`), block ids outside this engine's cache,
-        a hostile `otel_trace_context`.
-        """
-        self.cmd_register(req_id, block_ids, prefill, remote_request_id, False)
-        self.pending_meta.push_registrations[req_id].update(overrides)
-
-    def cmd_send_notifs(self, engine_id: str, payloads: list[bytes]) -> int:
-        """Send raw NIXL notifications to every agent this worker holds for `engine_id`.
-
-        Bypasses the connector's own encoding (what a buggy or hostile peer can do);
-        returns how many notifications were sent.
-        """
-        agents = dict(self.worker._remote_agents.get(engine_id) or {})
-        if not agents:
-            raise RuntimeError(f"no NIXL agent for engine {engine_id}")
-        sent = 0
-        for payload in payloads:
-            for agent_name in agents.values():
-                self.worker.nixl_wrapper.send_notif(agent_name, notif_msg=payload)
-                sent += 1
-        return sent
-
-    def cmd_watch_log(self, logger_name: str) -> None:
-        """Start keeping the WARNING+ records of one logger (read with `cmd_logged`)."""
-        import logging
-
-        if logger_name in self.watched_logs:
-            return
-        kept: list[str] = []
-
-        class _Keep(logging.Handler):
-            def emit(self, record: logging.LogRecord) -> None:
-                kept.append(record.getMessage())
-
-        logging.getLogger(logger_name).addHandler(_Keep(level=logging.WARNING))
-        self.watched_logs[logger_name] = kept
-
-    def cmd_logged(self, logger_name: str) -> list[str]:
-        """WARNING+ messages of a watched logger since the last call."""
-        kept = self.watched_logs[logger_name]
-        out = list(kept)
-        del kept[:len(out)]
-        return out
-
-    def cmd_pending_registrations(self) -> list[str]:
-        """P side: D request ids whose PUSH_REG arrived and waits for P's blocks."""
-        return sorted(getattr(self.worker, "_pending_d_registrations", {}))
 
     def shutdown(self) -> None:
         for conn in (self.worker_connector, self.scheduler_connector):
@@ -607,38 +409,6 @@ class Engine:
         gc.collect()
 
 
-_WRITER_PROFILES: dict[int, Any] = {}
-
-
-def _profile_push_writers() -> None:
-    """Run vLLM's push writer loop under cProfile (`cmd_profile` writes it out)."""
-    import cProfile
-
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
-
-    loop = NixlPushConnectorWorker._push_writer_loop
-
-    def profiled(self: Any) -> None:
-        prof = _WRITER_PROFILES[id(self)] = cProfile.Profile()
-        prof.enable()
-        try:
-            loop(self)
-        finally:
-            prof.disable()
-
-    NixlPushConnectorWorker._push_writer_loop = profiled
-
-
-def _as_heartbeat(worker: Any, call: Any, *args: Any) -> Any:
-    """`call(*args)` with the handshakes it starts tagged heartbeat-triggered (the fork's
-    worker; a plain call on stock)."""
-    from connector.vocabulary import Trigger
-
-    if hasattr(worker, "_run_triggered"):
-        return worker._run_triggered(Trigger.HEARTBEAT, None, call, *args)
-    return call(*args)
-
-
 def engine_main(spec: EngineSpec, conn: Connection) -> None:
     """Process entry point: set up, then serve commands while stepping."""
     os.environ.update(engine_env(spec))
@@ -650,8 +420,6 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(line_buffering=True)
     try:
-        if os.environ.get("HARNESS_PROFILE_WRITER"):
-            _profile_push_writers()
         if spec.tracing == "memory":
             from harness.spans import install_memory_tracer
 

@@ -10,27 +10,19 @@ import secrets
 import signal
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.config import FORK, EngineSpec
 from harness.engine import engine_main
+from harness.poll import wait_until
 from harness.ports import free_port
 
 # When set, every engine whose spec names no log file writes its output to a file here.
 LOG_DIR_ENV = "HARNESS_LOG_DIR"
 # Engine start-up on a loaded 2-core machine can take minutes; raise it there.
 START_TIMEOUT_S = float(os.environ.get("HARNESS_START_TIMEOUT_S", "180"))
-
-
-def quiet_engine_logs(prefix: str) -> str:
-    """Engine output to files (a benchmark's console stays readable): the directory in
-    `HARNESS_LOG_DIR` (`make bench` sets one), else a new temporary one; printed."""
-    path = os.environ.setdefault(LOG_DIR_ENV, tempfile.mkdtemp(prefix=prefix))
-    print(f"engine logs: {path}", flush=True)
-    return path
 
 
 class EngineError(RuntimeError):
@@ -161,11 +153,12 @@ class PushHarness:
            block_size: int = 32, extra_config: dict[str, Any] | None = None,
            tracing: Any = None, prefill_tracing: Any = None, decode_tracing: Any = None,
            workdir: str | None = None,
-           roles: tuple[str, str] = ("kv_producer", "kv_consumer")) -> PushHarness:
+           roles: tuple[str, str] = ("kv_producer", "kv_consumer"), ctx: Any = None) -> PushHarness:
         """One prefill engine `P` and one decode engine `D`.
 
         `tracing` applies to both engines unless `prefill_tracing`/`decode_tracing`
         override it: None (off), "memory", or {"endpoint": ..., "protocol": ...}.
+        `ctx`: the multiprocessing context the engines start from (see `__init__`).
         """
         work = workdir or tempfile.mkdtemp(prefix="push-harness-")
         common = dict(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
@@ -178,7 +171,7 @@ class PushHarness:
             EngineSpec(name="D", engine_id=f"decode-{run}", kv_role=roles[1],
                        side_channel_port=free_port(), connector=decode_connector or connector,
                        tracing=decode_tracing or tracing, **common),
-        ])
+        ], ctx)
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> PushHarness:
@@ -240,21 +233,6 @@ class PushHarness:
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)
-
-    def stock_mode(self, stock: bool) -> None:
-        """Fork engines: run vLLM's stock code paths (or the fork's again) in the same
-        processes (harness.stock_swap); checks that every engine did."""
-        want = "NixlPushConnectorWorker" if stock else "ObservedPushWorker"
-        for name, handle in self.engines.items():
-            got = handle.call("stock_mode", stock)
-            assert got == want, f"{name} runs {got}, not {want}"
-
-    def known_work(self, us: float) -> None:
-        """Burn `us` microseconds of CPU per request at each per-request site of every
-        engine (harness.known_work; 0: none)."""
-        for name, handle in self.engines.items():
-            got = handle.call("known_work", us)
-            assert bool(got) == (us > 0), f"{name}: known work at {got}"
 
     def _signal(self, sig: int) -> None:
         for handle in self.engines.values():
@@ -343,15 +321,15 @@ class PushHarness:
 
     def wait_for(self, engine: str, predicate: Any, command: str = "connections",
                  timeout_s: float = 30.0) -> Any:
-        """Poll `command` on an engine until `predicate(result)` holds."""
-        deadline = time.monotonic() + timeout_s
-        value = None
-        while time.monotonic() < deadline:
-            value = self.engines[engine].call(command)
-            if predicate(value):
-                return value
-            time.sleep(0.01)
-        raise TimeoutError(f"{engine}: {command} never satisfied the condition; last={value}")
+        """Poll `command` on an engine until `predicate(result)` holds; that result."""
+        seen: list[Any] = [None]
+
+        def holds() -> tuple[Any] | None:
+            seen[0] = self.engines[engine].call(command)
+            return (seen[0],) if predicate(seen[0]) else None
+
+        return wait_until(holds, f"{engine}: {command} to satisfy the condition", timeout_s,
+                          interval_s=0.01, last=lambda: seen[0])[0]
 
     def frontend(self, engine: str) -> Any:
         """A vLLM-API-server-like metrics front end for one engine (see harness.frontend)."""

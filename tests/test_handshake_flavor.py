@@ -41,6 +41,7 @@ def bare_worker(kv_role="kv_both"):
     w._handshake_pool = RecordingExecutor()
     w._attempt_lock = threading.Lock()
     w._engine_attempts = {}
+    w._dropped = {}
     w._retry_policy = RetryPolicy()
     w._in_flight = InFlight()
     return w

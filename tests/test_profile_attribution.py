@@ -1,8 +1,9 @@
-"""How `benchmarks.profile_push` prices the fork's own CPU from py-spy's collapsed stacks.
+"""How `python -m benchmarks overhead` attributes py-spy samples and prices them in CPU.
 
-Pure logic on a hand-written collapsed file (py-spy itself is not a dependency): waits
-are left out of a thread's samples, the deepest frame of ours / vLLM's / the harness's
-decides the owner, and a thread's share of ours is priced with its own CPU.
+Pure logic on hand-written collapsed stacks (py-spy itself is not a dependency): waits
+are left out by their innermost line, the innermost frame with an owner (the connector,
+vLLM's nixl modules, the rest of vLLM, NIXL's bindings) decides whose a sample is, and a
+thread's share of the connector's samples is priced with that thread's own CPU.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.profile_push import _owner, _waiting, own_cost, own_costs
+from benchmarks.common import REPO
+from benchmarks.overhead import attributed_cpu, is_waiting, owner, sample_counts
+
+SITE = "/venv/lib/python3.11/site-packages"
+NIXL = f"{SITE}/vllm/distributed/kv_transfer/kv_connector/v1/nixl"
 
 
 def _threading_line(text: str) -> int:
@@ -21,65 +26,75 @@ def _threading_line(text: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if text in line)
 
 
-NIXL = "vllm/distributed/kv_transfer/kv_connector/v1/nixl"
-WRITER = "thread (101): nixl-push-writer;Thread.run (threading.py:982)"
-VLLM_LOOP = f"NixlPushConnectorWorker._push_writer_loop ({NIXL}/push_worker.py:262)"
-OUR_WRITE = "PushFlow._do_start_push_kv (connector/glue/push.py:272)"
-VLLM_XFER = f"NixlPushConnectorWorker._xfer_blocks ({NIXL}/push_worker.py:714)"
+def _frame(function: str, path: str, line: int = 1) -> str:
+    return f"{function} ({path}:{line})"
+
+
+RUN = _frame("Thread.run", threading.__file__, _threading_line("self._target(*self._args"))
+OUR_LOOP = _frame("HandshakeFlow._push_writer_loop", f"{REPO}/connector/glue/handshakes.py", 110)
+VLLM_LOOP = _frame("NixlPushConnectorWorker._push_writer_loop", f"{NIXL}/push_worker.py", 262)
+OUR_WRITE = _frame("PushFlow._do_start_push_kv", f"{REPO}/connector/glue/push.py", 272)
+VLLM_XFER = _frame("NixlPushConnectorWorker._xfer_blocks", f"{NIXL}/push_worker.py", 714)
+OTEL = _frame("Span.end", f"{SITE}/opentelemetry/sdk/trace/__init__.py", 900)
+NIXL_CALL = _frame("nixl_agent.send_notif", f"{SITE}/nixl_cu13/_api.py", 865)
+ENGINE_STEP = _frame("EngineCore.step", f"{SITE}/vllm/v1/engine/core.py", 300)
 # `waiter.acquire()` in Condition.wait: blocked, off the CPU.
-LOCK_WAIT = f"Condition.wait (threading.py:{_threading_line('waiter.acquire()')})"
-OUR_ATTRS = "count_blocks (connector/glue/receive.py:140)"
+LOCK_WAIT = _frame("Condition.wait", threading.__file__, _threading_line("waiter.acquire()"))
 # `acquire(False)` in Condition._is_owned: runs, never waits.
-NON_BLOCKING = f"Condition._is_owned (threading.py:{_threading_line('self._lock.acquire(False)')})"
+NON_BLOCKING = _frame("Condition._is_owned", threading.__file__, _threading_line("self._lock.acquire(False)"))
 
 
-def _collapsed(tmp_path, rows: list[tuple[list[str], int]]):
-    path = tmp_path / "P.collapsed.txt"
-    path.write_text("".join(f"{';'.join(frames)} {n}\n" for frames, n in rows))
-    return path
+def _paths(*frames: str) -> list[str]:
+    return [f.rpartition(" (")[2].rpartition(":")[0] for f in frames]
+
+
+def _collapsed(rows: list[tuple[int, str, list[str], int]]) -> str:
+    return "".join(f"thread ({tid}): {name};{';'.join(frames)} {n}\n" for tid, name, frames, n in rows)
 
 
 def test_waits_are_told_apart_by_their_innermost_line():
-    cache: dict[str, bool] = {}
-    assert _waiting([WRITER, LOCK_WAIT], cache)
-    assert not _waiting([WRITER, NON_BLOCKING], cache)
-    assert not _waiting([WRITER, VLLM_LOOP, OUR_WRITE], cache)
+    assert is_waiting(LOCK_WAIT)
+    assert not is_waiting(NON_BLOCKING)
+    assert not is_waiting(OUR_WRITE)  # (a file that is not there: not a wait)
 
 
-def test_the_deepest_frame_of_a_known_owner_decides():
-    assert _owner([WRITER, VLLM_LOOP, OUR_WRITE]) == "ours"
-    assert _owner([WRITER, VLLM_LOOP, OUR_WRITE, VLLM_XFER]) == "theirs"  # vLLM below our wrapper
-    assert _owner([WRITER, VLLM_LOOP, OUR_WRITE, "len (builtins:0)"]) == "ours"  # what ours calls
+def test_the_innermost_frame_with_an_owner_decides():
+    assert owner(_paths(RUN, OUR_LOOP, VLLM_LOOP)) == "vllm_nixl"  # vLLM's loop below our override
+    assert owner(_paths(RUN, OUR_LOOP, VLLM_LOOP, OUR_WRITE)) == "connector"
+    assert owner(_paths(RUN, OUR_LOOP, VLLM_LOOP, OUR_WRITE, VLLM_XFER)) == "vllm_nixl"
+    assert owner(_paths(OUR_WRITE, OTEL)) == "connector"  # what ours calls (OpenTelemetry) is ours
+    assert owner(_paths(OUR_WRITE, NIXL_CALL)) == "nixl"  # NIXL's bindings are not
+    assert owner(_paths(ENGINE_STEP)) == "vllm"
+    assert owner(_paths(RUN, OTEL)) == "other"  # e.g. the span exporter's own thread
 
 
-def test_own_cost_prices_the_share_among_running_samples_with_the_threads_cpu(tmp_path):
-    path = _collapsed(tmp_path, [
-        ([WRITER, VLLM_LOOP, LOCK_WAIT], 700),  # waiting: neither ours nor theirs
-        ([WRITER, VLLM_LOOP, OUR_WRITE, OUR_ATTRS], 30),  # ours
-        ([WRITER, VLLM_LOOP, OUR_WRITE, VLLM_XFER], 270),  # vLLM's, under our wrapper
+def test_sample_counts_leave_waits_out_and_count_whole_stack_labels():
+    text = _collapsed([
+        (101, "nixl-push-writer", [RUN, OUR_LOOP, VLLM_LOOP, LOCK_WAIT], 700),  # waiting
+        (101, "nixl-push-writer", [RUN, OUR_LOOP, VLLM_LOOP, OUR_WRITE, OTEL], 30),
+        (101, "nixl-push-writer", [RUN, OUR_LOOP, VLLM_LOOP, OUR_WRITE, VLLM_XFER], 270),
+        (202, "MainThread", [ENGINE_STEP], 50),
     ])
-    cpu = {("P:nixl-push-writer", 101): 0.3, ("P:MainThread", 999): 5.0}  # seconds over the window
-    [(name, (own_us, thread_us, n_ours, n_running))] = own_cost(path, cpu, requests=1000).items()
-    assert name == "P:nixl-push-writer"  # a thread without samples is not priced
-    assert (n_ours, n_running) == (30, 300)
-    assert thread_us == pytest.approx(300.0)  # 0.3 s over 1,000 requests
-    # 10% of the running samples are ours: 30 us of the thread's 300 us per request (counting
-    # the 700 waiting samples too would have made it 3 us).
-    assert own_us == pytest.approx(30.0)
+    counts = sample_counts(text)
+    writer = counts[101]
+    assert (writer["all"], writer["waiting"]) == (300, 700)
+    assert (writer["connector"], writer["vllm_nixl"]) == (30, 270)
+    assert writer["connector_any"] == 300  # every running sample passes our loop override
+    assert writer["opentelemetry"] == 30
+    assert (counts[202]["all"], counts[202]["vllm"], counts[202]["connector_any"]) == (50, 50, 0)
 
 
-def test_own_costs_sum_rows_of_one_name_across_processes(tmp_path):
-    # Two processes whose threads carry one label (real `vllm serve`: "P:python" is the API
-    # server and its helper alike): their rows add up, sample counts included.
-    paths = []
-    for i, tid in enumerate((201, 202)):
-        path = tmp_path / f"{i}.collapsed.txt"
-        head = f"thread ({tid}): MainThread;Thread.run (threading.py:982)"
-        path.write_text(f"{head};{VLLM_LOOP};{OUR_WRITE};{OUR_ATTRS} 10\n"
-                        f"{head};{VLLM_LOOP};{OUR_WRITE};{VLLM_XFER} 90\n")
-        paths.append(path)
-    cpu = {("P:python", 201): 0.1, ("P:python", 202): 0.2}
-    (own_us, thread_us, n_ours, n_running), = own_costs(paths, cpu, requests=1000).values()
-    assert (n_ours, n_running) == (20, 200)
-    assert thread_us == pytest.approx(300.0)
-    assert own_us == pytest.approx(30.0)  # 10% of 100 us, plus 10% of 200 us
+def test_attributed_cpu_prices_each_threads_share_with_its_own_cpu():
+    text = _collapsed([
+        (101, "nixl-push-writer", [RUN, OUR_LOOP, VLLM_LOOP, LOCK_WAIT], 700),
+        (101, "nixl-push-writer", [RUN, OUR_LOOP, VLLM_LOOP, OUR_WRITE], 30),
+        (101, "nixl-push-writer", [RUN, OUR_LOOP, VLLM_LOOP, OUR_WRITE, VLLM_XFER], 270),
+        (202, "MainThread", [ENGINE_STEP], 90),
+        (202, "MainThread", [ENGINE_STEP, OUR_WRITE], 10),
+    ])
+    cpu = {101: 0.3, 202: 5.0, 303: 9.0}  # seconds; 303 (a native thread) has no samples
+    got = attributed_cpu(sample_counts(text), cpu, ("connector", "vllm_nixl", "vllm"))
+    # Writer: 10% of its running samples (the 700 waits left out) x 0.3 s; main: 10% x 5 s.
+    assert got["connector"] == pytest.approx(0.03 + 0.5)
+    assert got["vllm_nixl"] == pytest.approx(0.27)
+    assert got["vllm"] == pytest.approx(4.5)

@@ -5,7 +5,9 @@ in a module of its own:
 - handshakes.py `HandshakeFlow`: flavor, dedup, upgrade, retries, phases;
 - receive.py `ReceiveFlow` (D): registration, PUSH_REG, PUSH_FAIL received;
 - push.py `PushFlow` (P): PUSH_REG intake until the WRITE is done, PUSH_FAIL sent;
-- leases.py `LeaseFlow`: P's KV leases (renewal, expiry) and D's heartbeats.
+- leases.py `LeaseFlow`: P's KV leases (renewal, expiry) and D's heartbeats;
+- peers.py `PeerFlow`: peers that stop working (dropped, re-handshaken, their requests
+  failed instead of left waiting).
 Every flow subclasses `Flow`. A flow uses its own methods, vLLM's, and only what
 `Flow` declares here of the others: the state the worker's `__init__` sets, and the
 methods one flow offers the rest. It never imports a sibling flow module
@@ -118,6 +120,66 @@ class Flow:
         """P: refresh the lease gauges (throttled)."""
         raise NotImplementedError
 
-    def _notif_sent(self, notif: Any, ok: bool) -> None:
-        """Every NIXL notification this worker sent, or failed to send."""
+    def _count_heartbeat(self, ok: bool) -> None:
+        """D: one heartbeat notification sent, or failed."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- PeerFlow offers
+    _suspects: dict[str, Any]  # engines whose notifications or WRITEs failed
+    _dropped: dict[str, Any]  # engines whose connection was dropped, until reconnected
+    _pending_since: dict[str, float]  # P: unmatched PUSH_REGs, by D request id
+    _unmatched_rejected: BoundedIdSet  # P: PUSH_REGs answered no_prefill
+    _abandoned: BoundedIdSet  # D: receives failed here (no PUSH_REG goes out for them)
+
+    def _notif_sent(self, notif: Any, ok: bool, agent: Any = None) -> None:
+        """Every NIXL notification this worker sent, or failed to send (the probe's hook)."""
+        raise NotImplementedError
+
+    def _note_peer_agents(self, engine_id: str, agents: dict[Any, str]) -> bool:
+        """A handshake ended with these agents; True when the peer restarted."""
+        raise NotImplementedError
+
+    def _after_reset(self, engine_id: str) -> str:
+        """Why the connection a handshake now replaces was dropped ("" if none)."""
+        raise NotImplementedError
+
+    def _registration_sent(self, req_id: str, reg_data: dict[str, Any], agents: dict[Any, str],
+                           failed: int) -> None:
+        """D (writer): which agents a PUSH_REG reached (`failed` of them did not)."""
+        raise NotImplementedError
+
+    def _receive_over(self, req_id: str) -> Any:
+        """D (main): a receive ended; why we failed it (ReceiveFailure), if we did."""
+        raise NotImplementedError
+
+    def _fail_receive(self, req_id: str, reason: Any) -> None:
+        """D: fail a receive now (vLLM recomputes or fails the request)."""
+        raise NotImplementedError
+
+    def _note_receive_failure(self, req_id: str, reason: Any) -> None:
+        """D: why vLLM is failing this receive (counted when it is reported)."""
+        raise NotImplementedError
+
+    def _push_started(self, request_id: str, reg: dict[str, Any]) -> None:
+        """P (writer): a push to the PUSH_REG's decoder is under way."""
+        raise NotImplementedError
+
+    def _push_over(self, request_id: str) -> None:
+        """P (main): the request's push ended (done, failed or expired)."""
+        raise NotImplementedError
+
+    def _push_broke(self, request_id: str) -> None:
+        """P: the request's WRITE failed."""
+        raise NotImplementedError
+
+    def _registration_pending(self, d_request_id: str) -> None:
+        """P (writer): a PUSH_REG waits for its prefill."""
+        raise NotImplementedError
+
+    def _registration_refused(self, d_request_id: str) -> bool:
+        """P (writer): True for a PUSH_REG answered no_prefill (never WRITE for it)."""
+        raise NotImplementedError
+
+    def _tend_peers(self) -> None:
+        """Main thread, each step while anything is suspect, dropped or unmatched."""
         raise NotImplementedError

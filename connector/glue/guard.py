@@ -86,7 +86,7 @@ WORKER_CALLS: tuple[Call, ...] = (
     Call("worker", "_build_local_splits_from_plan", None),
     Call("worker", "_build_fa_remote", None),
     Call("worker", "_build_mamba_remote", None),
-    Call("worker", "_cleanup_remote_engine", (_ANY,)),
+    Call("worker", "_cleanup_remote_engine", (_ANY,), {"log_eviction": _ANY}),
     Call("worker", "start_load_kv", (_ANY,)),
     Call("worker", "_send_heartbeats", (_ANY,)),
     Call("worker", "_send_registration_to_p", (_ANY, _ANY)),
@@ -122,7 +122,8 @@ WORKER_ATTRIBUTES: tuple[str, ...] = (
     "block_size", "src_xfer_handles_by_block_size", "block_len_per_layer",
     "pp_size", "_remote_region_offset", "_pending_completion_notifs", "_failed_recv_reqs",
     "_recving_metadata", "_push_finished_blocks", "_pending_d_registrations",
-    "_reqs_to_send", "_reqs_to_process", "_lease_extension",
+    "_reqs_to_send", "_reqs_to_process", "_lease_extension", "_sending_transfers",
+    "_sending_transfers_lock", "_reg_send_inbox", "_push_writer_wake", "_evict_finished_inbox",
 )
 # Attributes vLLM's worker sets later (when KV caches are registered) that the fork reads:
 # checked in the source, as assignments `self.<name> = ...` somewhere in the worker classes.

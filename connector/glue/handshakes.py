@@ -97,6 +97,8 @@ class _HandshakeJob:
     # A WRITE joined this (early) handshake: a request now depends on it, so it is
     # retried like a WRITE-triggered one.
     write_waits: bool = False
+    # Why the connection this handshake replaces was dropped (PeerReset value, or "").
+    after_reset: str = ""
 
 
 # Triggers that decide a handshake's direction and flavor whatever the caller asked:
@@ -243,7 +245,8 @@ class HandshakeFlow(Flow):
                             tp_size=int(tp_size), tail=tail, direction=direction, trigger=trigger,
                             notif_only=notif_only, upgrade=upgrade,
                             parent_context=self._scope_parent() if self._spans.enabled else None,
-                            deadline=time.monotonic() + self._retry_policy.budget_s)
+                            deadline=time.monotonic() + self._retry_policy.budget_s,
+                            after_reset=self._after_reset(engine_id))
         self._handshake_futures[engine_id] = outer
         self._pending_jobs[engine_id] = job
         self._start_attempt(job)
@@ -256,7 +259,7 @@ class HandshakeFlow(Flow):
             remote_engine_id=job.engine_id, host=job.host, port=job.port,
             remote_tp_size=job.tp_size, remote_pp_size=int(job.tail.get("pp_size", 1) or 1),
             local_tp_rank=self.tp_rank, local_engine_id=self.engine_id, upgrade=job.upgrade,
-            parent_context=job.parent_context, attempt=job.attempt,
+            parent_context=job.parent_context, attempt=job.attempt, after_reset=job.after_reset,
         )
         self._in_flight.add(record)
         with self._attempt_lock:
@@ -342,6 +345,11 @@ class HandshakeFlow(Flow):
                     self._notif_only_engines.discard(eid)
                 self._engine_clock_offset[eid] = clock_offset
                 self._engine_last_active[eid] = time.perf_counter()
+        if exc is None:
+            try:
+                record.peer_restarted = self._note_peer_agents(eid, result[0])
+            except Exception as exc_:
+                errors.note(TelemetryError.STATS, exc_)
         self._publish_handshake(record)
         # Outside the lock: vLLM's callbacks on this future call _ensure_handshake.
         if exc is not None:

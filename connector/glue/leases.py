@@ -34,7 +34,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
 from connector.glue.flow import Flow
-from connector.glue.wire import HEARTBEAT_PREFIX, heartbeat_ids
+from connector.glue.wire import heartbeat_ids
 from connector.telemetry import errors
 from connector.telemetry.span_table import MAX_TRACKED_REQUESTS, BoundedIdSet
 from connector.vocabulary import Attr, LeaseFate, LeaseRenewal, SpanEvent, TelemetryError
@@ -217,13 +217,11 @@ class LeaseFlow(Flow):
         self._leases_report_owed = False
 
     # ------------------------------------------------------------ D: heartbeats
-    def _notif_sent(self, notif: Any, ok: bool) -> None:
-        """Every NIXL notification this worker sends (the agent probe's hook)."""
-        if isinstance(notif, bytes) and notif.startswith(HEARTBEAT_PREFIX):
-            try:
-                self.xfer_stats.record_heartbeat(ok)
-            except Exception as exc:
-                errors.note(TelemetryError.STATS, exc)
+    def _count_heartbeat(self, ok: bool) -> None:
+        try:
+            self.xfer_stats.record_heartbeat(ok)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
 
 
 # The ids vLLM's OpenAI server gives a request from its `X-Request-Id` (before the

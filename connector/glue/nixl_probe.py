@@ -50,8 +50,8 @@ def count_descriptors(descs: Any) -> int:
 
 
 class NixlAgentProbe:
-    """Wraps a `nixl_agent`; see module docstring. `on_notif(message, ok)` hears of
-    every notification sent (or failed) through it; it must not raise."""
+    """Wraps a `nixl_agent`; see module docstring. `on_notif(message, ok, agent)` hears
+    of every notification sent (or failed) through it; it must not raise."""
 
     def __init__(self, agent: Any, on_notif: Any = None):
         object.__setattr__(self, "_agent", agent)
@@ -96,10 +96,10 @@ class NixlAgentProbe:
             result = self._agent.send_notif(remote_agent_name, *args, **kwargs)
         except Exception:
             if self._on_notif is not None:
-                self._on_notif(message, False)
+                self._on_notif(message, False, remote_agent_name)
             raise
         if self._on_notif is not None:
-            self._on_notif(message, True)
+            self._on_notif(message, True, remote_agent_name)
         return result
 
     def get_xfer_descs(self, *args: Any, **kwargs: Any) -> Any:

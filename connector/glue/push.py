@@ -120,6 +120,7 @@ class PushFlow(Flow):
             match = self._pop_matching_finished_blocks(request_id)
             if match is None:
                 self._pending_d_registrations[request_id] = reg
+                self._registration_pending(request_id)
             else:
                 self._do_start_push_kv(match[0], match[1], reg)
         except Exception as exc:
@@ -222,10 +223,13 @@ class PushFlow(Flow):
     # ------------------------------------------------------------ the push
     def _do_start_push_kv(self, request_id: str, local_block_ids: Any,
                           registration_data: dict[str, Any]) -> None:
-        if self._lease_expired and self._lease_gone(request_id):
+        if self._unmatched_rejected and self._registration_refused(registration_data.get("request_id")):
+            return  # answered no_prefill already: D may have freed the blocks
+        if self._lease_gone(request_id):
             self._tell_decoder(registration_data, PushFailReason.LEASE_EXPIRED)
             return
         self._note_lease_registered(request_id)
+        self._push_started(request_id, registration_data)
         span = None
         kept = True  # the span is in `_write_spans` (or there is none)
         if self._spans.enabled:
@@ -297,8 +301,13 @@ class PushFlow(Flow):
         blocks for another request. Upstream still WRITEs them: D would then get
         another request's KV and decode from it without any error.
         """
-        with self._push_lock:
-            gone = request_id in self._lease_expired
+        # Reported expired, or past its deadline and not reaped yet (P's reaper runs on
+        # P's engine steps): either way D may no longer hold the blocks for it.
+        deadline = self._reqs_to_send.get(request_id)
+        gone = deadline is not None and time.perf_counter() >= deadline
+        if not gone and self._lease_expired:
+            with self._push_lock:
+                gone = request_id in self._lease_expired
         if gone:
             logger.warning("Not pushing request %s: its KV lease expired before the WRITE "
                            "could start (its blocks may already hold another request)", request_id)

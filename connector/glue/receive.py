@@ -33,6 +33,7 @@ from connector.vocabulary import (
     Attr,
     LeaseFate,
     PushFailReason,
+    ReceiveFailure,
     SpanEvent,
     TelemetryError,
     Trigger,
@@ -98,6 +99,8 @@ class ReceiveFlow(Flow):
 
     # ------------------------------------------------------------- PUSH_REG out
     def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
+        if self._abandoned and req_id in self._abandoned:
+            return  # failed here meanwhile (its prefill's engine restarted): nothing to send
         # Tell P we understand PUSH_FAIL; a stock P ignores the key. The copy is ours
         # from here on (vLLM re-queues this very dict after a handshake, the key
         # already in it), so the register span's context goes into it in place.
@@ -143,11 +146,13 @@ class ReceiveFlow(Flow):
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
         # (No lock: one dict lookup and a len() are atomic under the GIL. `dict.get`:
         # the table hides an engine only from the handshake thread's own lookups.)
-        num_agents = len(dict.get(self._remote_agents, reg_data.get("remote_engine_id")) or ())
+        agents = dict(dict.get(self._remote_agents, reg_data.get("remote_engine_id")) or {})
+        num_agents = len(agents)
         self._trigger_local.reg_failures = 0
         super()._do_send_reg_notif(req_id, reg_data)
         failed = self._trigger_local.reg_failures if num_agents else 1
         try:
+            self._registration_sent(req_id, reg_data, agents, failed)
             # (A failure to reach an agent is counted where vLLM logs it, `_log_failure`.)
             if not num_agents:
                 self.xfer_stats.record_push_reg_notif(sent=False)
@@ -179,9 +184,9 @@ class ReceiveFlow(Flow):
         if req_id not in self._recving_metadata:
             logger.debug("PUSH_FAIL for request %s, which is not waiting here", peer_str(req_id))
             return
-        logger.warning("Request %s: its prefill reports the KV will never be pushed (%s: the "
-                       "prefill's KV lease ended first); failing the KV load now instead of "
-                       "waiting for push_registration_timeout", peer_str(req_id), reason.value)
+        logger.warning("Request %s: its prefill reports the KV will never be pushed (%s); "
+                       "failing the KV load now instead of waiting for push_registration_timeout",
+                       peer_str(req_id), reason.value)
         if reason is PushFailReason.LEASE_EXPIRED and self._spans.enabled:
             try:
                 span = self._receive_spans.get(req_id)
@@ -189,4 +194,4 @@ class ReceiveFlow(Flow):
                     span.add_event(SpanEvent.LEASE_EXPIRED, {Attr.LEASE_FATE: LeaseFate.REGISTERED.value})
             except Exception as exc:
                 errors.note(TelemetryError.SPAN, exc)
-        self._failed_recv_reqs.put(req_id)
+        self._fail_receive(req_id, ReceiveFailure(reason.value))

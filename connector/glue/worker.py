@@ -35,6 +35,7 @@ from connector.glue.host_settings import HostSettings
 from connector.glue.leases import LeaseFlow
 from connector.glue.nixl_probe import NixlAgentProbe
 from connector.glue.nixl_progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
+from connector.glue.peers import PeerFlow
 from connector.glue.push import PushFlow
 from connector.glue.receive import ReceiveFlow
 from connector.glue.retry import RetryPolicy
@@ -46,6 +47,7 @@ from connector.telemetry.stats import ObservedNixlStats
 from connector.telemetry.tracing import SpanEmitter, resolve_tracer, span_ids
 from connector.vocabulary import (
     METADATA_TRACE_ATTR,
+    ReceiveFailure,
     ReceiveOutcome,
     TelemetryError,
     Trigger,
@@ -71,7 +73,8 @@ _SUCCESS, _FAILURE, _EXPIRED = (o.value for o in (ReceiveOutcome.SUCCESS, Receiv
                                                   ReceiveOutcome.EXPIRED))
 
 
-class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, NixlPushConnectorWorker):
+class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFlow,
+                         NixlPushConnectorWorker):
     """See module docstring."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
@@ -126,6 +129,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, NixlPu
         self._init_receive()
         self._init_push()
         self._init_leases()
+        self._init_peers()
 
     # ------------------------------------------------------------- every step
     # vLLM calls these on the engine's main thread every step, mostly with nothing
@@ -179,6 +183,11 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, NixlPu
                 self._take_push_fail_notifs()  # before vLLM drains its failed receives
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
+        if self._suspects or self._dropped or self._pending_since:
+            try:
+                self._tend_peers()  # before vLLM reports the receives it fails
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)
         results = super().get_transfer_results()
         clock = self._receive_clock
         if results.finished_sending or results.finished_recving or (
@@ -226,13 +235,17 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, NixlPu
         if req_id is None:
             return
         if failure_type in _PUSH_FAILURES and self._kv_role != "kv_consumer":
+            if failure_type != "push_handshake_failed":  # (the WRITE itself failed)
+                self._push_broke(req_id)
             self._mark_push_failed(req_id, failure_type, str(why))
         elif failure_type in _RECEIVE_FAILURES:
+            self._note_receive_failure(req_id, ReceiveFailure.HANDSHAKE_FAILED)
             self._end_receive_spans(req_id, failure_type, str(why))
 
     def _account_results(self, results: KVConnectorTransferResults) -> None:
         tracing = self._spans.enabled  # (without it the span tables stay empty: no lookups)
         for req_id in results.finished_sending:
+            self._push_over(req_id)
             with self._push_lock:
                 pushed = req_id in self._pushing
                 failed = req_id in self._push_failed
@@ -258,6 +271,9 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, NixlPu
         record = self.xfer_stats.record_receive
         for req_id in results.finished_recving:
             failed = req_id in results.failed_recving
+            why = self._receive_over(req_id)
+            if failed:
+                self.xfer_stats.record_receive_failure((why or ReceiveFailure.OTHER).value)
             if not tracing:  # (`_record_receive` inlined: one call fewer per receive)
                 seconds = clock.stop(req_id)
                 if seconds is not None:

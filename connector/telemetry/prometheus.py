@@ -117,6 +117,12 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._child(V.HEARTBEATS, idx, outcome.value)
             for gauge in _SNAPSHOT_GAUGES:
                 self._child(gauge, idx).set(0)
+            for direction in V.Direction:
+                self._child(V.PEER_RESTARTS, idx, direction.value)
+                for reset in V.PeerReset:
+                    self._child(V.PEER_RESETS, idx, direction.value, reset.value)
+            for why in V.ReceiveFailure:
+                self._child(V.RECEIVE_FAILURES, idx, why.value)
         self._init_degraded_gauge(list(labelnames))
 
     # -- start-up guard verdict (connector/glue/guard.py) ----------------------------
@@ -195,6 +201,8 @@ class ObservedPromMetrics(NixlPromMetrics):
             (StatKey.SIDE_CHANNEL_REJECTED, V.SIDE_CHANNEL_REJECTED, V.SideChannelRejection),
             (StatKey.LEASE_RENEWALS, V.KV_LEASE_RENEWALS, V.LeaseRenewal),
             (StatKey.LEASE_EXPIRIES, V.KV_LEASE_EXPIRIES, V.LeaseFate),
+            (StatKey.PEER_RESTARTS, V.PEER_RESTARTS, V.Direction),
+            (StatKey.RECEIVE_FAILURES, V.RECEIVE_FAILURES, V.ReceiveFailure),
         )
         for key, spec, closed in labelled:
             values = data.get(key)
@@ -207,6 +215,15 @@ class ObservedPromMetrics(NixlPromMetrics):
                 continue
             for label, n in tally.items():
                 self._child(spec, idx, label).inc(n)
+        resets = data.get(StatKey.PEER_RESETS)
+        if resets:
+            try:
+                pairs = Counter_(_peer_reset(v) for v in resets)  # validates every value first
+            except Exception:
+                self._drop(StatKey.PEER_RESETS, resets, idx)
+            else:
+                for (direction, reason), n in pairs.items():
+                    self._child(V.PEER_RESETS, idx, direction, reason).inc(n)
         snapshots = data.get(StatKey.IN_FLIGHT)
         if snapshots:
             try:
@@ -296,6 +313,11 @@ class ObservedPromMetrics(NixlPromMetrics):
             raise ValueError("negative receive duration")
         observe(self._child(V.RECEIVE_DURATION, idx, outcome), duration,
                 exemplar_of(rec.get("trace_id"), rec.get("span_id")))
+
+def _peer_reset(value: Any) -> tuple[str, str]:
+    direction, reason = str(value).split("|")
+    return V.Direction(direction).value, V.PeerReset(reason).value
+
 
 # Stats keys holding counts, with the metric (and label value) they add to.
 _COUNTS: tuple[tuple[Any, ...], ...] = (

@@ -106,6 +106,8 @@ class HandshakeRecord:
     local_engine_id: str = ""
     upgrade: bool = False
     attempt: int = 1
+    after_reset: str = ""  # PeerReset value when this handshake replaces a dropped connection
+    peer_restarted: bool = False  # the peer came back with a new NIXL agent
     submitted_ns: int = field(default_factory=time.time_ns)
     ended_ns: int = 0
     segments: list[PhaseSegment] = field(default_factory=list)

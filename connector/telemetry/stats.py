@@ -132,6 +132,15 @@ class ObservedNixlStats(NixlKVConnectorStats):
     def record_heartbeat(self, sent: bool) -> None:
         self._append(StatKey.HEARTBEATS_SENT if sent else StatKey.HEARTBEATS_FAILED, 1)
 
+    def record_peer_reset(self, direction: str, reason: str) -> None:
+        self._append(StatKey.PEER_RESETS, f"{direction}|{reason}")
+
+    def record_peer_restart(self, direction: str) -> None:
+        self._append(StatKey.PEER_RESTARTS, direction)
+
+    def record_receive_failure(self, reason: str) -> None:
+        self._append(StatKey.RECEIVE_FAILURES, reason)
+
     def set_remote_prefills(self, waiting: int, oldest_wait_s: float) -> None:
         """D's scheduler: requests waiting for a remote prefill now (a snapshot)."""
         with _LOCK:

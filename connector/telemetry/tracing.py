@@ -335,6 +335,9 @@ class SpanEmitter:
         }
         if record.nothing_saved_because:
             attrs[Attr.NOTHING_SAVED_BECAUSE] = record.nothing_saved_because
+        if record.after_reset:
+            attrs[Attr.AFTER_RESET] = record.after_reset
+            attrs[Attr.PEER_RESTARTED] = record.peer_restarted
         if failed and record.error_type is not None:
             attrs[Attr.ERROR_TYPE] = record.error_type.value
         span = self.tracer.start_span(

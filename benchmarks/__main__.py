@@ -1,0 +1,58 @@
+"""`python -m benchmarks <name> [options]`: one entry point for every benchmark.
+
+Each benchmark answers one question, prints progress and its figures (medians,
+ratios measured side by side in one run), and writes `<name>.json` (and a PNG where
+a chart helps) under `.cache/bench/<name>/` with the date and git commit.
+`python -m benchmarks <name> --help` lists a benchmark's options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from types import ModuleType
+
+from benchmarks.common import BenchRun
+
+# name -> module; each module has a docstring (first line: the question it answers),
+# `add_arguments(parser)`, `run(args, bench) -> dict` and optionally `chart(result, path)`.
+BENCHMARKS: dict[str, str] = {
+    "handshake": "benchmarks.handshake",
+    "first-request": "benchmarks.first_request",
+    "producers": "benchmarks.producers",
+    "backends": "benchmarks.backends",
+    "overhead": "benchmarks.overhead",
+}
+
+
+def _modules() -> dict[str, ModuleType]:
+    return {name: importlib.import_module(path) for name, path in BENCHMARKS.items()}
+
+
+def parser(modules: dict[str, ModuleType]) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, module in modules.items():
+        doc = (module.__doc__ or "").strip()
+        sp = sub.add_parser(name, help=doc.splitlines()[0] if doc else name, description=doc,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp.add_argument("--out", default=None,
+                        help=f"output directory (default .cache/bench/{name})")
+        module.add_arguments(sp)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    modules = _modules()
+    args = parser(modules).parse_args(argv)
+    module = modules[args.benchmark]
+    bench = BenchRun(args.benchmark, args.out)
+    result = module.run(args, bench)
+    bench.write(result, getattr(module, "chart", None))
+    bench.say(f"{args.benchmark} done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""Engine commands that inject faults or watch for their effects (tests only).
+
+What a buggy or hostile peer, or an operator, can do to a running engine that the
+plain push flow never does: a PUSH_REG with fields replaced, raw NIXL notifications
+that bypass the connector's encoding, and the log lines and pending tables the tests
+read back to see how the engine took it. Mixed into `harness.engine.Engine`, whose
+command loop dispatches `cmd_<name>`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+
+class FaultCommands:
+    """`cmd_*` fault injection; the engine provides the worker and its step metadata."""
+
+    worker: Any
+    pending_meta: Any
+    cmd_register: Callable[..., None]
+
+    def cmd_register_as(self, req_id: str, block_ids: list[int], prefill: dict[str, Any],
+                        remote_request_id: str, overrides: dict[str, Any]) -> None:
+        """D side: `cmd_register` with fields of the PUSH_REG payload replaced (or added).
+
+        Faults a real peer can produce: a side-channel address P cannot reach or that
+        stalls (`decode_host`/`decode_port`), block ids outside this engine's cache,
+        a hostile `otel_trace_context`.
+        """
+        self.cmd_register(req_id, block_ids, prefill, remote_request_id, False)
+        self.pending_meta.push_registrations[req_id].update(overrides)
+
+    def cmd_send_notifs(self, engine_id: str, payloads: list[bytes]) -> int:
+        """Send raw NIXL notifications to every agent this worker holds for `engine_id`.
+
+        Bypasses the connector's own encoding (what a buggy or hostile peer can do);
+        returns how many notifications were sent.
+        """
+        agents = dict(self.worker._remote_agents.get(engine_id) or {})
+        if not agents:
+            raise RuntimeError(f"no NIXL agent for engine {engine_id}")
+        sent = 0
+        for payload in payloads:
+            for agent_name in agents.values():
+                self.worker.nixl_wrapper.send_notif(agent_name, notif_msg=payload)
+                sent += 1
+        return sent
+
+    def _watched_logs(self) -> dict[str, list[str]]:
+        return self.__dict__.setdefault("_watched", {})
+
+    def cmd_watch_log(self, logger_name: str) -> None:
+        """Start keeping the WARNING+ records of one logger (read with `cmd_logged`)."""
+        watched = self._watched_logs()
+        if logger_name in watched:
+            return
+        kept: list[str] = []
+
+        class _Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                kept.append(record.getMessage())
+
+        logging.getLogger(logger_name).addHandler(_Keep(level=logging.WARNING))
+        watched[logger_name] = kept
+
+    def cmd_logged(self, logger_name: str) -> list[str]:
+        """WARNING+ messages of a watched logger since the last call."""
+        kept = self._watched_logs()[logger_name]
+        out = list(kept)
+        del kept[:len(out)]
+        return out
+
+    def cmd_pending_registrations(self) -> list[str]:
+        """P side: D request ids whose PUSH_REG arrived and waits for P's blocks."""
+        return sorted(getattr(self.worker, "_pending_d_registrations", {}))

@@ -1,0 +1,166 @@
+"""A peer that restarts under the same engine id, and one that dies, on real engines.
+
+Real NIXL/UCX agents and ZMQ side channels (the harness). A restart is what a pod
+restart does: the process is killed and a new one comes back with the same engine id
+and side-channel port, and a new NIXL agent. Upstream the survivor keeps the dead
+agent for `engine_ttl` (an hour): its notifications and WRITEs go nowhere and the
+requests waiting on it wait for `push_registration_timeout` (480 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from connector.vocabulary import LeaseFate, ReceiveFailure, StatKey
+from harness import PushHarness
+from harness.poll import wait_until
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
+
+# kv_lease_duration on both engines (heartbeats extend a lease by two thirds of it). Long
+# enough that a restarted engine is back before D gives its requests up as unreachable
+# (after a lease without contact).
+LEASE_S = 20
+SHORT_LEASE_S = 6
+RETRIES = {"handshake_timeout_ms": 1000, "handshake_retry_budget_s": 4}
+
+
+def ids() -> tuple[str, str]:
+    base = f"cmpl-{secrets.token_hex(6)}"
+    return f"{base}-{secrets.token_hex(4)}", f"{base}-{secrets.token_hex(4)}"
+
+
+class Stats:
+    """An engine's stats records, collected as they come."""
+
+    def __init__(self, h: PushHarness, engine: str):
+        self.h, self.engine, self.records = h, engine, []
+
+    def values(self, key: str) -> Counter:
+        self.records += self.h.stats(self.engine)
+        return Counter(v for r in self.records for v in r.get(key, []))
+
+
+def restart(h: PushHarness, name: str, new_name: str) -> None:
+    """Kill engine `name` (no shutdown: as a node or pod dies) and start `new_name` with
+    the same engine id and side-channel port."""
+    spec = h.specs[name]
+    h[name].process.kill()
+    h[name].process.join(10)
+    h.remove([name])
+    h.add([dataclasses.replace(spec, name=new_name)])
+
+
+def connected(tmp_path: Any, lease_s: int) -> PushHarness:
+    h = PushHarness.pd(workdir=str(tmp_path), num_blocks=64,
+                       extra_config={"kv_lease_duration": lease_s, **RETRIES})
+    h.start()
+    try:
+        assert h.push(1).ok  # both directions connected
+    except BaseException:
+        h.stop()
+        raise
+    return h
+
+
+@pytest.fixture
+def harness(tmp_path: Any) -> Any:
+    h = connected(tmp_path, LEASE_S)
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+def test_prefill_restart_fails_the_waiting_receive_at_once_and_new_requests_work(harness) -> None:
+    h = harness
+    d_stats = Stats(h, "D")
+    p_id, d_id = ids()
+    # D registered R with P (PUSH_REG delivered, P still prefilling) and heartbeats it.
+    h["D"].call("register", d_id, h["D"].allocate(2), h["P"].address, p_id, True)
+    wait_until(lambda: d_id in h["P"].call("pending_registrations"), "P to hold D's PUSH_REG")
+    restart(h, "P", "P2")
+
+    # D notices (a heartbeat to the dead agent fails), drops the connection, re-handshakes
+    # with the new agent, and fails R now: its KV died with the old process.
+    res = wait_until(lambda: (r := h["D"].call("results")) and d_id in r["failed_recving"] and r,
+                     "D to fail the receive whose prefill restarted", timeout_s=60)
+    assert d_id in res["finished_recving"]
+    wait_until(lambda: d_stats.values(StatKey.RECEIVE_FAILURES)[ReceiveFailure.PEER_RESTARTED.value] == 1,
+               "the failure counted by reason", last=lambda: d_stats.values(StatKey.RECEIVE_FAILURES))
+    assert d_stats.values(StatKey.PEER_RESTARTS) == Counter({"d_to_p": 1})
+    assert d_stats.values(StatKey.PEER_RESETS) == Counter({"d_to_p|notification_failed": 1})
+    # (Attempts made while P was down failed as unreachable and were retried.)
+    reconnect = [hs for r in d_stats.records for hs in r.get(StatKey.HANDSHAKES, [])]
+    assert reconnect[-1]["outcome"] == "success" and reconnect[-1]["notif_only"]
+
+    # New requests through the restarted prefill complete, bytes intact.
+    report = h.push(2, prefill="P2")
+    assert report.ok, (report.failed, report.mismatched)
+
+
+def test_decode_restart_under_prefill_fails_the_caught_push_fast_then_works(harness) -> None:
+    h = harness
+    restart(h, "D", "D2")
+    p_stats, d_stats = Stats(h, "P"), Stats(h, "D2")
+    # The new D registers a request; P's WRITE goes to the dead agent and fails.
+    p_id, d_id = ids()
+    _, p_blocks = "P", h["P"].allocate(2)
+    h["P"].call("fill", p_blocks, 7)
+    h["D2"].call("register", d_id, h["D2"].allocate(2), h["P"].address, p_id, True)
+    h["P"].call("finish", p_id, p_blocks, 30.0)
+    # P drops the dead connection, reconnects to the new agent and tells D (PUSH_FAIL):
+    # D fails the receive now instead of after push_registration_timeout.
+    wait_until(lambda: d_id in h["D2"].call("results")["failed_recving"],
+               "the new D to fail the receive caught by the restart", timeout_s=60)
+    wait_until(lambda: d_stats.values(StatKey.RECEIVE_FAILURES)[ReceiveFailure.PUSH_FAILED.value] == 1,
+               "D to count it", last=lambda: d_stats.values(StatKey.RECEIVE_FAILURES))
+    assert p_stats.values(StatKey.PEER_RESETS) == Counter({"p_to_d|transfer_failed": 1})
+    assert p_stats.values(StatKey.PEER_RESTARTS) == Counter({"p_to_d": 1})
+    report = h.push(2, decode="D2")
+    assert report.ok, (report.failed, report.mismatched)
+
+
+def test_dead_prefill_fails_the_waiting_receive_within_a_lease(tmp_path: Any) -> None:
+    """P dies and does not come back: D fails the receive bound to it once P has been
+    unreachable for a lease (P released its blocks by then), not after 480 s."""
+    h = connected(tmp_path, SHORT_LEASE_S)
+    try:
+        d_stats = Stats(h, "D")
+        p_id, d_id = ids()
+        h["D"].call("register", d_id, h["D"].allocate(2), h["P"].address, p_id, True)
+        wait_until(lambda: d_id in h["P"].call("pending_registrations"), "P to hold D's PUSH_REG")
+        h["P"].process.kill()
+        wait_until(lambda: d_id in h["D"].call("results")["failed_recving"],
+                   "D to fail the receive bound to a dead prefill", timeout_s=SHORT_LEASE_S * 6)
+        wait_until(lambda: d_stats.values(StatKey.RECEIVE_FAILURES)[
+            ReceiveFailure.PEER_UNREACHABLE.value] == 1, "the failure counted by reason",
+                   last=lambda: d_stats.values(StatKey.RECEIVE_FAILURES))
+    finally:
+        h.stop()
+
+
+def test_decode_dies_while_prefill_holds_a_lease_it_heartbeated(tmp_path: Any) -> None:
+    """P's lease for a request D heartbeated (queued on D) expires on schedule once D is
+    gone (no heartbeat renews it), and is counted with its fate."""
+    h = connected(tmp_path, SHORT_LEASE_S)
+    try:
+        p_stats = Stats(h, "P")
+        p_id, _ = ids()
+        p_blocks = h["P"].allocate(2)
+        h["P"].call("finish", p_id, p_blocks, float(SHORT_LEASE_S))
+        h["D"].call("heartbeat", h["P"].address, p_id)  # the request waits in D's queue
+        wait_until(lambda: p_stats.values(StatKey.LEASE_RENEWALS)["renewed"] >= 1, "a renewal on P")
+        h["D"].process.kill()
+        wait_until(lambda: p_id in h["P"].call("results")["finished_sending"],
+                   "P to release the lease", timeout_s=SHORT_LEASE_S * 3)
+        assert p_stats.values(StatKey.LEASE_EXPIRIES) == Counter({LeaseFate.WAITING.value: 1})
+        expired_by_vllm = sum(len(r.get("num_kv_expired_reqs", [])) for r in p_stats.records)
+        assert expired_by_vllm == 1  # vLLM's own count agrees
+    finally:
+        h.stop()
