@@ -9,14 +9,19 @@ the P leg's cached blocks, so it is computed independently.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from connector.router import legs
+from connector.router.config import PrefillTarget
 from demo.engines import SERVED_MODEL
 
 VOCAB = 256
@@ -114,3 +119,91 @@ def run(router_url: str, reference_url: str, prompts: list[list[int]], *, prefix
         if not o.error:
             o.reference = reference(reference_url, o.prompt, max_tokens, salt=f"reference-{o.request_id}")
     return outcomes
+
+
+# ------------------------------------------------------------ lease scenarios
+def local(engine_url: str, prompt: list[int], max_tokens: int, timeout_s: float = 600) -> list[int]:
+    """A plain completion on one engine (no KV transfer), all `max_tokens` generated."""
+    return tokens_of(_post(engine_url + "/v1/completions",
+                           body(prompt, max_tokens, ignore_eos=True), {}, timeout_s=timeout_s))
+
+
+class Busy:
+    """A long local request keeps an engine's run slots full while the block runs
+    (with `--max-num-seqs 1`, every request behind it waits in the engine's queue)."""
+
+    def __init__(self, engine_url: str, max_tokens: int, seed: int = 5):
+        self._args = (engine_url, make_prompts(1, seed=seed)[0][:30], max_tokens)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.tokens: list[int] = []
+        self.error = ""
+        self.seconds = 0.0  # how long the request took
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            self.tokens = local(*self._args)
+        except Exception as exc:  # reported, not raised in the thread
+            self.error = f"{type(exc).__name__}: {exc}"
+        self.seconds = time.monotonic() - started
+
+    def __enter__(self) -> Busy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join()
+
+
+class KeepStepping:
+    """Small requests sent straight to an engine, one after the other, while the block
+    runs: a prefill engine in production always has work, and its lease reaper runs on
+    its engine steps."""
+
+    def __init__(self, engine_url: str):
+        self.url = engine_url
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.sent = 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                _post(self.url + "/v1/completions", body(make_prompts(1, seed=1000 + self.sent)[0][:16], 1),
+                      {}, timeout_s=60)
+            self.sent += 1
+
+    def __enter__(self) -> KeepStepping:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def concurrently(router_url: str, prompts: list[list[int]], *, prefix: str, max_tokens: int,
+                 timeout_s: float = 180) -> list[tuple[Outcome, float]]:
+    """All prompts through the router at once; each outcome with its latency in seconds."""
+    def one(i: int) -> tuple[Outcome, float]:
+        start = time.monotonic()
+        out = disaggregated(router_url, prompts[i], f"{prefix}-{i:03d}", max_tokens, timeout_s)
+        return out, time.monotonic() - start
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def prefill_leg(prefill_url: str, prompt: list[int], request_id: str) -> dict[str, Any]:
+    """Only the P leg of a disaggregated request, as the router sends it (P prefills and
+    holds the KV under a lease for a decoder)."""
+    leg = legs.prefill_body(body(prompt, 1), legs.COMPLETIONS, request_id)
+    return _post(prefill_url + "/v1/completions", leg, {"X-Request-Id": request_id})
+
+
+def decode_leg(decode_url: str, prefill: PrefillTarget, prompt: list[int], request_id: str,
+               max_tokens: int, timeout_s: float = 180) -> list[int]:
+    """Only the D leg of a disaggregated request, as the router sends it."""
+    return tokens_of(_post(decode_url + "/v1/completions",
+                           legs.decode_body(body(prompt, max_tokens), prefill, request_id, request_id),
+                           {"X-Request-Id": request_id}, timeout_s=timeout_s))

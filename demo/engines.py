@@ -170,6 +170,28 @@ def serve_args(model: str, kv: dict[str, Any], *, served_model_name: str = SERVE
     return args
 
 
+# vLLM's NIXL worker logs what a full handshake prepares ("Created N blocks for dst engine
+# E ...") at DEBUG only: this logging config turns that one logger on, so a stock engine's
+# log says how many descriptors it prepared (independently of our telemetry).
+NIXL_WORKER_LOGGER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+
+
+def nixl_debug_logging(workdir: Path) -> dict[str, str]:
+    """Environment for `vllm serve` that logs vLLM's NIXL worker at DEBUG, the rest at INFO."""
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}},
+        "handlers": {"stdout": {"class": "logging.StreamHandler", "formatter": "plain",
+                                "stream": "ext://sys.stdout"}},
+        "loggers": {"vllm": {"handlers": ["stdout"], "level": "INFO", "propagate": False},
+                    NIXL_WORKER_LOGGER: {"level": "DEBUG"}},
+    }
+    path = workdir / "nixl-debug-logging.json"
+    workdir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config))
+    return {"VLLM_LOGGING_CONFIG_PATH": str(path)}
+
+
 class VllmServer(Process):
     """One `vllm serve`: P (`kv_producer`) or D (`kv_consumer`), on loopback or on a `host`.
 
@@ -221,6 +243,12 @@ class VllmServer(Process):
     @property
     def side_channel(self) -> str:
         return f"{self.address}:{self.side_channel_port}"
+
+    def target(self) -> Any:
+        """This engine as the router's prefill target (for a leg sent without the router)."""
+        from connector.router.config import PrefillTarget
+
+        return PrefillTarget(self.url, self.engine_id, self.address, self.side_channel_port)
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
         self.wait_http(self.url + "/health", timeout_s)

@@ -1,68 +1,156 @@
-"""End to end on real `vllm serve`: router, P and D with the fork, OTLP receiver, Prometheus.
+"""End to end on real `vllm serve`: what the fork is for, pinned on real engines.
 
-One deployment (the demo's `Stack`) is shared by every test here: engines take ~30 s
-each to start on an idle machine. Requests go through the router with a traceparent
-the test made, so the test knows the trace id each request's spans must carry. The
-last test stops everything and checks no process is left.
+One fork deployment (the demo's `Stack`: router, P and D, OTLP receiver, Prometheus) is
+shared by the fork tests; where this machine can make network namespaces (root), P, D
+and the router with Prometheus each run on a host of their own, and the last fork
+test restarts P's host. Then one stock deployment of the same shape is the control.
+Both run with a short KV lease (9 s: heartbeats every second, each extending a lease
+by 6 s) and D serving one sequence at a time, so a request queued behind D's work
+waits longer than a lease.
+
+Requests carry a traceparent the test made, so the test knows each request's trace.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from connector import vocabulary
 from connector.vocabulary import (
-    DESCRIPTOR_REGISTRATIONS,
     DESCRIPTORS_REGISTERED,
     DESCRIPTORS_SAVED,
     HANDSHAKES,
+    HEARTBEATS,
+    KV_LEASE_EXPIRIES,
+    KV_LEASE_RENEWALS,
+    KV_LEASES_HELD,
+    PEER_RESETS,
     PUSH_REG_NOTIFS,
+    PUSH_REG_REJECTED,
     PUSHES,
+    RECEIVE_FAILURES,
+    SPAN_HANDSHAKE,
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_WRITE,
     SPAN_ROUTER_REQUEST,
+    Attr,
+    Phase,
+    SpanEvent,
+    phase_span_name,
 )
 from demo import drive, report
-from demo.engines import PROGRESS_DELAY_US, session_pids
-from demo.stack import Stack, wait_until
+from demo.engines import NIXL_WORKER_LOGGER, PROGRESS_DELAY_US, nixl_debug_logging, session_pids
+from demo.network import unavailable_reason
+from demo.stack import EngineOptions, Stack
+from harness.poll import wait_until
 
-pytestmark = [pytest.mark.real, pytest.mark.prometheus, pytest.mark.serve, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real, pytest.mark.prometheus, pytest.mark.serve, pytest.mark.timeout(1200)]
 
 MAX_TOKENS = 6
+LEASE_S = 9
 SPAN_WAIT_S = 60.0
-# The trace join and exemplars (issue 7, parts 1 and 3) land with EXEMPLAR_METRICS in the vocabulary.
-needs_trace_join = pytest.mark.skipif(not hasattr(vocabulary, "EXEMPLAR_METRICS"),
-                                      reason="this build has no request trace join / exemplars yet")
+HOSTS = unavailable_reason() is None
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's own count of released leases
+EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+# What the tests learn that later ones compare with (tests run in file order).
+FACTS: dict[str, Any] = {}
+
+
+def options(connector: str, workdir: Path) -> dict[str, Any]:
+    """Both deployments: a short lease on both engines; D one sequence at a time, long
+    enough a context for the requests that keep it busy, and recomputing a prefill
+    whose KV will not come. The stock D logs what its full handshake prepares."""
+    lease = {"kv_connector_extra_config": {"kv_lease_duration": LEASE_S}}
+    d_kv = {**lease, "kv_load_failure_policy": "recompute"}
+    return {"connector": connector,
+            "prefill": EngineOptions(kv=lease),
+            "decode": EngineOptions(kv=d_kv, args=("--max-num-seqs", "1"), max_model_len=4096,
+                                    env=nixl_debug_logging(workdir) if connector == "stock" else {})}
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("e2e"))
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    work = tmp_path_factory.mktemp("e2e")
+    s = Stack(work, hosts=HOSTS, **options("fork", work))
     s.start()
     yield s
     s.close()
 
 
+def metric(server: Any) -> list[report.Sample]:
+    return report.samples(server.metrics())
+
+
+def count(server: Any, name: str, **labels: str) -> float:
+    return report.total(metric(server), name, **labels)
+
+
+def external_tokens(stack: Stack) -> float:
+    return count(stack.decode, EXTERNAL[0], **EXTERNAL[1])
+
+
+@contextlib.contextmanager
+def busy(server: Any, tokens: int) -> Iterator[drive.Busy]:
+    """`server` runs a long local request for the block; entered once it really runs (with
+    --max-num-seqs 1, every request that arrives meanwhile waits in its queue)."""
+    with drive.Busy(server.url, tokens) as b:
+        wait_until(lambda: count(server, "vllm:num_requests_running") >= 1,
+                   f"{server.name} to run the local request", 60, 0.1)
+        yield b
+
+
+def d_to_p(stack: Stack) -> list[dict[str, Any]]:
+    return [s for s in stack.spans() if s["name"] == SPAN_HANDSHAKE and s["service"] == "vllm-decode"]
+
+
+# --------------------------------------------------------------------- headline
+def test_first_d_to_p_handshake_is_heartbeat_triggered_and_notification_only(stack: Stack) -> None:
+    """D is busy when the first request arrives: the request waits in D's queue, D's
+    scheduler heartbeats P for it, and that heartbeat starts D's first handshake to P
+    (upstream makes it a full one). Ours is notification-only, phase by phase."""
+    prompt = drive.make_prompts(1, seed=21)[0]
+    with busy(stack.decode, 300) as local:
+        first = drive.disaggregated(stack.router.url, prompt, "e2e-first", MAX_TOKENS)
+    FACTS["decode_tokens_per_s"] = len(local.tokens) / local.seconds
+    assert not first.error and not local.error, (first.error, local.error)
+    assert first.tokens == drive.reference(stack.prefill.url, prompt, MAX_TOKENS, salt="ref-e2e-first")
+    d = metric(stack.decode)
+    hs = HANDSHAKES.name + "_total"
+    assert report.total(d, hs, direction="d_to_p") == 1
+    assert report.total(d, hs, direction="d_to_p", trigger="heartbeat", notif_agents_only="true",
+                        outcome="success") == 1
+    FACTS["saved"] = report.total(d, DESCRIPTORS_SAVED.name + "_total", direction="d_to_p")
+    assert FACTS["saved"] > 0
+    [span] = wait_until(lambda: d_to_p(stack), "D's handshake span", SPAN_WAIT_S)
+    assert span["attributes"][Attr.TRIGGER] == "heartbeat"
+    assert span["attributes"][Attr.NOTIF_AGENTS_ONLY] is True
+    assert span["attributes"][Attr.DESCRIPTORS_SAVED] == FACTS["saved"]
+    phases = [s for s in stack.spans() if s["parent_span_id"] == span["span_id"]]
+    wanted = {phase_span_name(p) for p in (Phase.METADATA_FETCH, Phase.AGENT_LOAD)}
+    assert {s["name"] for s in phases} >= wanted
+    assert all(s["attributes"][Attr.NOTIF_AGENTS_ONLY] is True for s in phases)
+    assert "Transfer plan" not in stack.decode.log()  # vLLM logs it on its full path only
+
+
+# ------------------------------------------------------------------ the push flow
 @pytest.fixture(scope="module")
-def outcomes(stack):
-    """Four requests one by one, each with its single-engine reference.
-
-    A concurrent batch is left to `make demo` for now: in one CI run three D legs of a
-    batch of four reached D's scheduler only after P's 30 s KV lease had expired, and
-    those requests waited on D (the open "requests that hang" case of issue 9).
-    """
-    return drive.run(stack.router.url, stack.prefill.url, drive.make_prompts(4), prefix="e2e-seq",
-                     max_tokens=MAX_TOKENS)
+def outcomes(stack: Stack) -> list[drive.Outcome]:
+    """Four requests one by one, each with its single-engine reference."""
+    before = external_tokens(stack)
+    out = drive.run(stack.router.url, stack.prefill.url, drive.make_prompts(4), prefix="e2e-seq",
+                    max_tokens=MAX_TOKENS)
+    FACTS["seq_external_tokens"] = external_tokens(stack) - before
+    return out
 
 
-def metric(stack, side: str) -> list[report.Sample]:
-    return report.samples((stack.prefill if side == "P" else stack.decode).metrics())
-
-
-def test_disaggregated_outputs_equal_the_single_engine_reference(outcomes):
+def test_disaggregated_outputs_equal_the_single_engine_reference(outcomes: list[drive.Outcome]) -> None:
     for o in outcomes:
         assert not o.error, (o.request_id, o.error)
         assert len(o.tokens) == MAX_TOKENS
@@ -71,75 +159,89 @@ def test_disaggregated_outputs_equal_the_single_engine_reference(outcomes):
     assert len({tuple(o.tokens) for o in outcomes}) > 1
 
 
-def test_kv_came_over_nixl_and_d_to_p_handshakes_were_notification_only(stack, outcomes):
-    d, p = metric(stack, "D"), metric(stack, "P")
-    n = len(outcomes)
-    assert report.total(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == \
-        sum(len(o.prompt) for o in outcomes)
+def test_kv_came_over_nixl_and_every_d_to_p_handshake_stayed_notification_only(
+        stack: Stack, outcomes: list[drive.Outcome]) -> None:
+    d, p = metric(stack.decode), metric(stack.prefill)
+    assert FACTS["seq_external_tokens"] == sum(len(o.prompt) for o in outcomes)
     hs = HANDSHAKES.name + "_total"
-    assert report.total(d, hs, direction="d_to_p", notif_agents_only="true", outcome="success") >= 1
     assert report.total(d, hs, direction="d_to_p", notif_agents_only="false") == 0
-    assert report.total(d, DESCRIPTOR_REGISTRATIONS.name + "_total", direction="d_to_p") == 0
-    saved = report.total(d, DESCRIPTORS_SAVED.name + "_total", direction="d_to_p")
-    registered = report.total(p, DESCRIPTORS_REGISTERED.name + "_total", direction="p_to_d", list="remote")
-    assert saved > 0 and saved == registered  # P's full list over D's blocks has the shape D skipped
+    n = len(outcomes) + 1  # and the headline request
     assert report.total(d, PUSH_REG_NOTIFS.name + "_total", outcome="sent") == n
     assert report.total(p, PUSHES.name + "_total", outcome="completed") == n
     assert report.total(p, PUSHES.name + "_total", outcome="failed") == 0
-    # vLLM logs "Transfer plan" only on its full add_remote_agent path: P did one, D none.
-    assert "Transfer plan" not in stack.decode.log()
-    assert "Transfer plan" in stack.prefill.log()
+    assert report.total(p, DESCRIPTORS_REGISTERED.name + "_total", direction="p_to_d", list="remote") > 0
+    assert "Transfer plan" in stack.prefill.log()  # P's P->D handshake is full: it writes into D
 
 
-def _parse_cpus(text: str) -> set[int]:
-    out: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def _worker_threads_cpus(server) -> tuple[set[int], list[set[int]]]:
-    """The allowed CPUs of the engine's worker process: its main thread's, and every thread's."""
-    [worker] = [pid for pid in session_pids(server.pid)
-                if Path(f"/proc/{pid}/comm").read_text().strip() == "VLLM::Worker"]
-    main, every = set(), []
-    for task in Path(f"/proc/{worker}/task").iterdir():
-        cpus = _parse_cpus((task / "status").read_text().split("Cpus_allowed_list:")[1].split()[0])
-        every.append(cpus)
-        if int(task.name) == worker:
-            main = cpus
-    return main, every
-
-
-def test_each_engines_worker_stays_on_its_own_core(stack):
-    """vLLM pins both workers to the last core; the fork keeps P's main thread on core 0
-    (its VLLM_CPU_OMP_THREADS_BIND), and no thread of either worker (NIXL's progress
-    thread, the push writer and the handshake threads start after the pin) is kept off
-    its engine's core."""
-    for server, core in ((stack.prefill, 0), (stack.decode, 1)):
-        main, every = _worker_threads_cpus(server)
-        assert main == {core}, server.name
-        assert all(core in cpus for cpus in every), (server.name, every)
-    assert "Kept the NIXL worker on CPUs [0]: vLLM pinned it to CPUs [" in stack.prefill.log()
-
-
-def test_nixl_progress_threads_poll_with_the_configured_delay(stack):
-    """The demo's engines ask for `nixl_progress_delay_us`: each worker says it applied it."""
-    line = f"NIXL progress thread polls every {PROGRESS_DELAY_US} us (nixl_progress_delay_us)"
-    assert line in stack.prefill.log()
-    assert line in stack.decode.log()
-
-
-def test_streamed_completion_through_the_router_equals_the_reference(stack):
-    """Runs after the counter checks above (it adds one push)."""
+def test_streamed_completion_through_the_router_equals_the_reference(stack: Stack) -> None:
     prompt = drive.make_prompts(1, seed=99)[0]
     tokens = drive.streamed(stack.router.url, prompt, "e2e-stream", MAX_TOKENS)
     assert tokens == drive.reference(stack.prefill.url, prompt, MAX_TOKENS, salt="reference-e2e-stream")
 
 
-@needs_trace_join
-def test_every_request_is_one_trace_across_router_p_and_d(stack, outcomes):
+# ------------------------------------------------------------------ KV leases
+def busy_tokens(seconds: float) -> int:
+    """Tokens that keep D busy about `seconds`, from D's speed in the headline test."""
+    rate = FACTS.get("decode_tokens_per_s", 100.0)
+    return max(200, min(3500, int(rate * seconds)))
+
+
+def test_requests_queued_longer_than_the_lease_keep_their_kv(stack: Stack) -> None:
+    """A burst arrives while D is busy for longer than P's lease: D's heartbeats renew
+    the leases (upstream they renew nothing), no lease expires, every request's KV
+    arrives over NIXL and the outputs equal the reference."""
+    prompts = drive.make_prompts(3, seed=31, lengths=(100,))
+    expired, external = count(stack.prefill, EXPIRED), external_tokens(stack)
+    with drive.KeepStepping(stack.prefill.url), busy(stack.decode, busy_tokens(3 * LEASE_S)):
+        results = drive.concurrently(stack.router.url, prompts, prefix="e2e-burst", max_tokens=MAX_TOKENS)
+    latencies = [t for _, t in results]
+    assert min(latencies) > LEASE_S, latencies  # (the scenario: each waited longer than a lease)
+    for (o, _), prompt in zip(results, prompts, strict=True):
+        assert not o.error, o.error
+        assert o.tokens == drive.reference(stack.prefill.url, prompt, MAX_TOKENS, salt=f"ref-{o.request_id}")
+    p = metric(stack.prefill)
+    expiries = [line for line in stack.prefill.log().splitlines() if "expired before its push" in line]
+    assert report.total(p, EXPIRED) == expired, expiries  # vLLM's own count: nothing released
+    assert report.total(p, KV_LEASE_EXPIRIES.name + "_total") == 0
+    assert report.total(p, KV_LEASE_RENEWALS.name + "_total", outcome="renewed") >= len(prompts)
+    assert count(stack.decode, HEARTBEATS.name + "_total", outcome="sent") > 0
+    assert external_tokens(stack) - external == sum(len(x) for x in prompts)
+    trace_ids = {o.trace_id for o, _ in results}
+
+    def writes() -> list[dict[str, Any]] | None:
+        found = [s for s in stack.spans() if s["name"] == SPAN_PUSH_WRITE and s["trace_id"] in trace_ids]
+        return found if {s["trace_id"] for s in found} == trace_ids else None
+
+    spans = wait_until(writes, "the burst's write spans", SPAN_WAIT_S, 0.25)
+    assert all(SpanEvent.LEASE_RENEWED in s["events"] for s in spans)
+
+
+def test_a_decode_leg_after_the_lease_fails_fast_and_is_recomputed(stack: Stack) -> None:
+    """The D leg reaches D only after P released the KV (a late or retried D leg): P
+    answers its PUSH_REG with PUSH_FAIL, D fails the load at once and vLLM recomputes the
+    prefill on D (kv_load_failure_policy=recompute) instead of waiting 480 s."""
+    prompt = drive.make_prompts(1, seed=41)[0]
+    p = metric(stack.prefill)
+    expired = report.total(p, EXPIRED)
+    rejected = report.total(p, PUSH_REG_REJECTED.name + "_total", reason="after_lease_expired")
+    with drive.KeepStepping(stack.prefill.url):
+        drive.prefill_leg(stack.prefill.url, prompt, "e2e-late")
+        wait_until(lambda: count(stack.prefill, EXPIRED) > expired, "P to release the lease",
+                   4 * LEASE_S, 0.5)
+        started = time.monotonic()
+        tokens = drive.decode_leg(stack.decode.url, stack.prefill.target(), prompt, "e2e-late", MAX_TOKENS)
+    waited = time.monotonic() - started
+    assert tokens == drive.reference(stack.prefill.url, prompt, MAX_TOKENS, salt="ref-e2e-late")
+    assert waited < 60, waited  # upstream: push_registration_timeout, 480 s
+    p = metric(stack.prefill)
+    assert report.total(p, PUSH_REG_REJECTED.name + "_total", reason="after_lease_expired") == rejected + 1
+    assert report.total(p, KV_LEASE_EXPIRIES.name + "_total", fate="unclaimed") >= 1
+    assert count(stack.decode, RECEIVE_FAILURES.name + "_total", reason="lease_expired") == 1
+
+
+# ------------------------------------------------------------------ traces
+def test_every_request_is_one_trace_across_router_p_and_d(stack: Stack,
+                                                          outcomes: list[drive.Outcome]) -> None:
     missing: dict[str, set] = {}
 
     def complete() -> bool:
@@ -150,11 +252,8 @@ def test_every_request_is_one_trace_across_router_p_and_d(stack, outcomes):
                 missing[o.request_id] = gap
         return not missing
 
-    try:
-        wait_until(complete, SPAN_WAIT_S, "router, vLLM and connector spans of every request")
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}; still missing {missing}; engine logs: "
-                             f"{stack.prefill.log_path}, {stack.decode.log_path}") from exc
+    wait_until(complete, "router, vLLM and connector spans of every request", SPAN_WAIT_S, 0.25,
+               last=lambda: missing)
     spans = stack.spans()
     for o in outcomes:
         mine = [s for s in spans if s["trace_id"] == o.trace_id]
@@ -168,23 +267,124 @@ def test_every_request_is_one_trace_across_router_p_and_d(stack, outcomes):
         assert by_name[("vllm-prefill", SPAN_PUSH_WRITE)]
 
 
-@needs_trace_join
-def test_exemplars_on_d_openmetrics_and_in_prometheus_resolve_to_received_traces(stack, outcomes):
-    exposition = stack.decode.metrics(openmetrics=True)
-    on_d = report.exemplars(exposition)
+def test_exemplars_on_d_openmetrics_and_in_prometheus_resolve_to_received_traces(
+        stack: Stack, outcomes: list[drive.Outcome]) -> None:
+    on_d = report.exemplars(stack.decode.metrics(openmetrics=True))
     assert on_d, "no exemplar with a trace_id on D's OpenMetrics /metrics"
     wanted = {tid for _, _, tid in on_d}
-    wait_until(lambda: wanted <= {s["trace_id"] for s in stack.spans()}, SPAN_WAIT_S,
-               "the traces D's exemplars point to")
+    wait_until(lambda: wanted <= {s["trace_id"] for s in stack.spans()}, "the traces D's exemplars point to",
+               SPAN_WAIT_S, 0.25)
     start = time.time() - 900
     stored = wait_until(lambda: report.prometheus_exemplars(stack.prometheus, start, time.time()),
-                        SPAN_WAIT_S, "Prometheus to store exemplars")
+                        "Prometheus to store exemplars", SPAN_WAIT_S, 0.25)
     received = {s["trace_id"] for s in stack.spans()}
     assert {tid for _, tid in stored} <= received
 
 
-def test_every_process_started_is_gone_after_close(stack):
+# ------------------------------------------------------------------ the engines
+def _parse_cpus(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _worker_threads_cpus(server: Any) -> tuple[set[int], list[set[int]]]:
+    """The allowed CPUs of the engine's worker process: its main thread's, and every thread's."""
+    [worker] = [pid for pid in session_pids(server.pid)
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "VLLM::Worker"]
+    main, every = set(), []
+    for task in Path(f"/proc/{worker}/task").iterdir():
+        cpus = _parse_cpus((task / "status").read_text().split("Cpus_allowed_list:")[1].split()[0])
+        every.append(cpus)
+        if int(task.name) == worker:
+            main = cpus
+    return main, every
+
+
+def test_each_engines_worker_stays_on_its_own_core_and_polls_nixl_with_a_delay(stack: Stack) -> None:
+    """vLLM pins both workers to the last core; the fork keeps P's main thread on core 0
+    (its VLLM_CPU_OMP_THREADS_BIND), and no worker thread is kept off its engine's core."""
+    for server, core in ((stack.prefill, 0), (stack.decode, 1)):
+        main, every = _worker_threads_cpus(server)
+        assert main == {core}, server.name
+        assert all(core in cpus for cpus in every), (server.name, every)
+        line = f"NIXL progress thread polls every {PROGRESS_DELAY_US} us (nixl_progress_delay_us)"
+        assert line in server.log()
+    assert "Kept the NIXL worker on CPUs [0]: vLLM pinned it to CPUs [" in stack.prefill.log()
+
+
+def test_prefill_restart_fails_the_caught_request_fast_and_new_requests_work(stack: Stack) -> None:
+    """P's host dies while a request waits for it in D's queue and comes back with the same
+    engine id and address (a pod restart). D drops the dead connection and re-handshakes;
+    the caught request is recomputed on D (not held for 480 s); new requests get their KV
+    over NIXL from the new P."""
+    caught_prompt = drive.make_prompts(1, seed=51)[0]
+    resets = count(stack.decode, PEER_RESETS.name + "_total")
+    with busy(stack.decode, busy_tokens(2 * LEASE_S)):
+        results: list[Any] = []
+        caught = threading.Thread(target=lambda: results.append(drive.disaggregated(
+            stack.router.url, caught_prompt, "e2e-caught", MAX_TOKENS, timeout_s=300)))
+        caught.start()
+        wait_until(lambda: count(stack.prefill, KV_LEASES_HELD.name) >= 1
+                   and count(stack.decode, "vllm:num_requests_waiting") >= 1,
+                   "P to hold the request's KV while it waits in D's queue", 60, 0.25)
+        new_p = stack.restart_prefill()
+        caught.join()
+    [out] = results
+    assert not out.error, out.error
+    assert out.tokens == drive.reference(new_p.url, caught_prompt, MAX_TOKENS, salt="ref-e2e-caught")
+    assert count(stack.decode, PEER_RESETS.name + "_total") > resets
+    external = external_tokens(stack)
+    after = drive.run(stack.router.url, new_p.url, drive.make_prompts(2, seed=61), prefix="e2e-after",
+                      max_tokens=MAX_TOKENS)
+    assert all(o.ok for o in after), [o.error for o in after]
+    assert external_tokens(stack) - external == sum(len(o.prompt) for o in after)
+
+
+def test_every_process_started_is_gone_after_close(stack: Stack) -> None:
     pids = [p.pid for p in stack.processes] + [stack.prometheus_pid]
     assert all(pids)
     stack.close()
     assert stack.leftovers() == []
+
+
+# ------------------------------------------------------------------ stock, the control
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    work = tmp_path_factory.mktemp("e2e-stock")
+    s = Stack(work, nixl_progress_delay_us=None, **options("stock", work))
+    s.start()
+    yield s
+    s.close()
+
+
+def test_stock_prepares_for_its_heartbeat_handshake_the_descriptors_the_fork_saves(stock: Stack) -> None:
+    """The same first request on stock vLLM: its heartbeat-triggered D->P handshake is a full
+    one, and vLLM's own log says how many descriptors it prepared: exactly what the fork
+    reported saved."""
+    prompt = drive.make_prompts(1, seed=21)[0]
+    pattern = re.compile(r"Created (\d+) blocks for dst engine prefill-0")
+    with busy(stock.decode, 60):
+        # (Not waited for: on stock, a request queued longer than the lease loses its KV.)
+        threading.Thread(target=drive.disaggregated, daemon=True,
+                         args=(stock.router.url, prompt, "stock-first", MAX_TOKENS, 2 * LEASE_S)).start()
+        log = wait_until(lambda: (text := stock.decode.log()) and pattern.search(text) and text,
+                         f"stock D to log its full handshake ('{NIXL_WORKER_LOGGER}' at DEBUG)", 120, 0.5)
+    assert "Transfer plan" in log
+    created = [int(n) for n in pattern.findall(log)]
+    if "saved" not in FACTS:
+        pytest.skip("the fork's headline test did not record what it saved")
+    assert sum(created) == FACTS["saved"]
+
+
+def test_stock_lets_queued_requests_lose_their_kv(stock: Stack) -> None:
+    """The same burst on stock vLLM: the heartbeats renew nothing, P releases the KV of the
+    queued requests (vLLM's own expiry count rises) and they wait on D (cut short here)."""
+    prompts = drive.make_prompts(2, seed=31, lengths=(100,))
+    busy_s = 2.5 * LEASE_S
+    with drive.KeepStepping(stock.prefill.url), busy(stock.decode, busy_tokens(busy_s)):
+        drive.concurrently(stock.router.url, prompts, prefix="stock-burst", max_tokens=MAX_TOKENS,
+                           timeout_s=busy_s + 2 * LEASE_S)
+    assert count(stock.prefill, EXPIRED) >= 1
