@@ -109,11 +109,9 @@ demo-harness: setup
 # other: each prints its figures and writes .cache/bench/<name>/<name>.json (a PNG where a chart helps), with
 # its engine logs next to it. `overhead` (real `vllm serve`) needs py-spy (pip install py-spy), which is not a
 # project dependency.
-BENCHMARKS ?= handshake first-request producers backends
+BENCHMARKS ?= handshake first-request producers backends leases overhead
 bench: setup
 	@for b in $(BENCHMARKS); do $(PY) -m benchmarks $$b || exit 1; done
-	@if [ -x $(VENV)/bin/py-spy ]; then $(PY) -m benchmarks overhead; \
-	else echo "py-spy is not installed (pip install py-spy): skipping python -m benchmarks overhead"; fi
 
 clean:
 	rm -rf $(VENV) $(VENV033) .cache

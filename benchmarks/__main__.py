@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "producers": "benchmarks.producers",
     "backends": "benchmarks.backends",
     "overhead": "benchmarks.overhead",
+    "leases": "benchmarks.leases",
 }
 
 
