@@ -48,6 +48,13 @@ class FaultCommands:
                 sent += 1
         return sent
 
+    def cmd_suspect(self, engine_id: str) -> None:
+        """Mark a remote engine's connection failed, as a failed notification or WRITE
+        does: the next step drops it (the engine itself may be alive)."""
+        from connector.vocabulary import PeerReset
+
+        self.worker._peer_failed(engine_id, PeerReset.NOTIFICATION_FAILED)
+
     def _watched_logs(self) -> dict[str, list[str]]:
         return self.__dict__.setdefault("_watched", {})
 

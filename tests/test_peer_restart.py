@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from connector.vocabulary import LeaseFate, ReceiveFailure, StatKey
+from connector.vocabulary import LeaseFate, PushRegRejection, ReceiveFailure, StatKey
 from harness import PushHarness
 from harness.poll import wait_until
 
@@ -164,3 +164,62 @@ def test_decode_dies_while_prefill_holds_a_lease_it_heartbeated(tmp_path: Any) -
         assert expired_by_vllm == 1  # vLLM's own count agrees
     finally:
         h.stop()
+
+
+def test_registration_no_request_of_prefill_matches_is_answered_and_never_written(tmp_path: Any) -> None:
+    """A PUSH_REG naming a request P does not have (its prefill died with P's previous
+    instance, or was never sent): P answers it with PUSH_FAIL once
+    `unmatched_push_reg_timeout_s` has passed, D fails the receive at once, and the
+    prefill finishing later is not written into D's blocks."""
+    unmatched_s = 2
+    h = PushHarness.pd(workdir=str(tmp_path), num_blocks=64,
+                       extra_config={"kv_lease_duration": SHORT_LEASE_S,
+                                     "unmatched_push_reg_timeout_s": unmatched_s, **RETRIES})
+    h.start()
+    try:
+        assert h.push(1).ok
+        p_stats, d_stats = Stats(h, "P"), Stats(h, "D")
+        p_id, d_id = ids()
+        d_blocks = h["D"].allocate(2)
+        h["D"].call("register", d_id, d_blocks, h["P"].address, p_id, False)
+        wait_until(lambda: d_id in h["D"].call("results")["failed_recving"],
+                   "D to fail a receive no prefill request matched", timeout_s=unmatched_s * 10)
+        assert p_stats.values(StatKey.PUSH_REG_REJECTED) == Counter({PushRegRejection.UNMATCHED.value: 1})
+        wait_until(lambda: d_stats.values(StatKey.RECEIVE_FAILURES)[ReceiveFailure.NO_PREFILL.value] == 1,
+                   "D to count it", last=lambda: d_stats.values(StatKey.RECEIVE_FAILURES))
+        # The prefill turns up after all: P keeps it for its lease and writes nothing.
+        p_blocks = h["P"].allocate(2)
+        h["P"].call("fill", p_blocks, 11)
+        h["P"].call("finish", p_id, p_blocks, float(SHORT_LEASE_S))
+        wait_until(lambda: p_id in h["P"].call("results")["finished_sending"],
+                   "P to release the prefill's blocks", timeout_s=SHORT_LEASE_S * 3)
+        assert not set(h["D"].call("untouched", [])) & set(d_blocks)
+    finally:
+        h.stop()
+
+
+
+def test_a_receive_landing_after_decode_dropped_its_live_prefill_completes(harness) -> None:
+    """D drops its connection to a prefill that is alive (a notification to it failed for
+    a moment) while a receive from it waits; P then WRITEs and the receive completes.
+    vLLM's post-processing of that receive reads P's transfer info, which dropping the
+    connection removes (upstream: KeyError in `get_transfer_results`, the engine dies).
+    The fork keeps it until the next handshake to P, so the bytes land and D goes on."""
+    h = harness
+    p_id, d_id = ids()
+    d_blocks = h["D"].allocate(2)
+    h["D"].call("register", d_id, d_blocks, h["P"].address, p_id, False)
+    wait_until(lambda: d_id in h["P"].call("pending_registrations"), "P to hold D's PUSH_REG")
+    h["D"].call("suspect", h["P"].address["engine_id"])
+    wait_until(lambda: h["P"].address["engine_id"] not in h["D"].call("connections")["remote_agents"],
+               "D to drop its connection to P")
+    p_blocks = h["P"].allocate(2)
+    h["P"].call("fill", p_blocks, 23)
+    h["P"].call("finish", p_id, p_blocks, 30.0)
+    res = wait_until(lambda: (r := h["D"].call("results")) and d_id in r["finished_recving"] and r,
+                     "the receive to land")
+    assert d_id not in res["failed_recving"]
+    assert h["P"].call("digest", p_blocks) == h["D"].call("digest", d_blocks)
+    report = h.push(2)  # D handshakes with P again; P's transfer info is registered anew
+    # (Every pushed byte checked; the blocks this test filled by hand are not the harness's.)
+    assert not report.failed and not report.mismatched and report.verified == 2, report

@@ -131,6 +131,11 @@ class Flow:
     _unmatched_rejected: BoundedIdSet  # P: PUSH_REGs answered no_prefill
     _abandoned: BoundedIdSet  # D: receives failed here (no PUSH_REG goes out for them)
 
+    def _release_kept_transfer_info(self, engine_id: str) -> None:
+        """Pool thread, under the registration lock, before a handshake registers the
+        engine with vLLM: drop what was kept of it since its connection was dropped."""
+        raise NotImplementedError
+
     def _notif_sent(self, notif: Any, ok: bool, agent: Any = None) -> None:
         """Every NIXL notification this worker sent, or failed to send (the probe's hook)."""
         raise NotImplementedError
@@ -168,8 +173,8 @@ class Flow:
         """P (main): the request's push ended (done, failed or expired)."""
         raise NotImplementedError
 
-    def _push_broke(self, request_id: str) -> None:
-        """P: the request's WRITE failed."""
+    def _push_broke(self, request_id: str, why: Any = None) -> None:
+        """P: the request's WRITE failed (`why`: the error, if any)."""
         raise NotImplementedError
 
     def _registration_pending(self, d_request_id: str) -> None:
@@ -181,5 +186,5 @@ class Flow:
         raise NotImplementedError
 
     def _tend_peers(self) -> None:
-        """Main thread, each step while anything is suspect, dropped or unmatched."""
+        """Main thread, each step while a peer is suspect or dropped."""
         raise NotImplementedError

@@ -411,6 +411,7 @@ class HandshakeFlow(Flow):
                 record.enter(Phase.METADATA_DECODE)
                 meta = self._decode_and_check(reply.payload, record.remote_engine_id, channel.path)
                 with self._registering(record):
+                    self._release_kept_transfer_info(record.remote_engine_id)
                     if record.notif_only:
                         self._count_saving(record, meta)
                         record.enter(Phase.AGENT_LOAD)

@@ -21,6 +21,11 @@ Here:
   connection is back; a PUSH_REG no request of P matches within
   `unmatched_push_reg_timeout_s` (default: the lease) is answered with PUSH_FAIL
   (`no_prefill`: e.g. its prefill died with P's previous instance).
+- P, idle: vLLM's writer reads NIXL notifications only when something wakes it, and an
+  engine steps only while it has work. A PUSH_REG that reaches an idle prefill (late:
+  after a network partition healed, or meant for P's previous instance) would wait
+  unread, and its decoder with it, until P's next request. A timer thread wakes the
+  writer and answers unmatched PUSH_REGs every `IDLE_POLL_INTERVAL_S`.
 A failed receive is then recomputed or failed by vLLM, per `kv_load_failure_policy`.
 """
 
@@ -48,8 +53,13 @@ from connector.vocabulary import (
 
 logger = logging.getLogger(__name__)
 
-# How often the main thread looks for registrations no request of P matched (s).
-UNMATCHED_CHECK_INTERVAL_S = 1.0
+# NIXL errors that refuse one transfer for what it asked (descriptors outside the
+# registered memory, a bad parameter), not because the peer or the link failed.
+REQUEST_REFUSALS = frozenset({"nixlInvalidParamError", "nixlNotFoundError", "nixlNotAllowedError",
+                              "nixlMismatchError", "nixlNotSupportedError"})
+# P: how often the writer is woken to read notifications, and registrations no
+# request matched are looked for, also while the engine is idle (s).
+IDLE_POLL_INTERVAL_S = 0.5
 
 
 class PeerFlow(Flow):
@@ -79,7 +89,10 @@ class PeerFlow(Flow):
         # P: D request id -> when its PUSH_REG was stored unmatched; those answered no_prefill.
         self._pending_since: dict[str, float] = {}
         self._unmatched_rejected = BoundedIdSet()
-        self._unmatched_checked_at = 0.0
+        self._kept_transfer_info: set[str] = set()  # engines dropped whose vLLM transfer info stays
+        self._idle_stop = threading.Event()
+        if self._kv_role != "kv_consumer":
+            threading.Thread(target=self._poll_while_idle, name="nixl-idle-poll", daemon=True).start()
 
     @property
     def _direction(self) -> str:
@@ -186,15 +199,24 @@ class PeerFlow(Flow):
         with self._peer_lock:
             self._push_targets.pop(request_id, None)
 
-    def _push_broke(self, request_id: str) -> None:
-        """P: the request's WRITE failed: suspect its decoder and owe it a PUSH_FAIL."""
+    def _push_broke(self, request_id: str, why: Any = None) -> None:
+        """P: the request's WRITE failed: owe its decoder a PUSH_FAIL, and suspect the
+        connection unless NIXL refused the request itself (bad descriptors: the
+        connection is fine, and dropping it would cost every request in flight on it)."""
         with self._peer_lock:
             target = self._push_targets.pop(request_id, None)
             if target is None:
                 return
             engine, reg = target
-            self._notices.setdefault(engine, []).append((reg, PushFailReason.PUSH_FAILED))
-        self._peer_failed(engine, PeerReset.TRANSFER_FAILED)
+            if type(why).__name__ in REQUEST_REFUSALS:
+                refused = True
+            else:
+                refused = False
+                self._notices.setdefault(engine, []).append((reg, PushFailReason.PUSH_FAILED))
+        if refused:
+            self._tell_decoder(reg, PushFailReason.PUSH_FAILED)
+        else:
+            self._peer_failed(engine, PeerReset.TRANSFER_FAILED)
 
     def _registration_pending(self, d_request_id: str) -> None:
         """P (writer thread): a PUSH_REG waits for its prefill."""
@@ -211,11 +233,6 @@ class PeerFlow(Flow):
             self._reset_suspects()
         if self._dropped:
             self._fail_unreachable()
-        if self._pending_since:
-            now = time.monotonic()
-            if now - self._unmatched_checked_at >= UNMATCHED_CHECK_INTERVAL_S:
-                self._unmatched_checked_at = now
-                self._answer_unmatched(now)
 
     def _reset_suspects(self) -> None:
         with self._peer_lock:
@@ -247,12 +264,20 @@ class PeerFlow(Flow):
             return any(self._sending_transfers.get(r) for r in mine)
 
     def _drop_peer(self, engine_id: str, agents: frozenset[str], reason: PeerReset) -> None:
+        kept = self._transfer_info_of(engine_id)
         try:
             self._cleanup_remote_engine(engine_id, log_eviction=False)
         except Exception:
             logger.warning("Could not drop the NIXL connection to %s", peer_str(engine_id),
                            exc_info=True)
             return
+        if kept:
+            # A WRITE the peer finished before we dropped it can still complete here:
+            # vLLM's post-processing of that receive reads the peer's transfer info.
+            # Kept until the next handshake to the peer registers it anew.
+            for info in kept:
+                self.transfer_topo.register_remote_engine(engine_id, info)
+            self._kept_transfer_info.add(engine_id)
         with self._peer_lock:
             self._dropped[engine_id] = (agents, time.monotonic(), reason)
             for name in agents:
@@ -269,6 +294,24 @@ class PeerFlow(Flow):
         for reg, why in notices:  # P: reconnects, then tells the decoder
             self._tell_decoder(reg, why)
 
+    def _transfer_info_of(self, engine_id: str) -> list[Any]:
+        """vLLM's transfer info of every PP rank of `engine_id` (empty if none)."""
+        topo, out = getattr(self, "transfer_topo", None), []
+        while topo is not None:
+            try:
+                out.append(topo.get_engine_info(engine_id, len(out)))
+            except KeyError:
+                break
+        return out
+
+    def _release_kept_transfer_info(self, engine_id: str) -> None:
+        """Pool thread, under the registration lock: a handshake is about to register
+        `engine_id` with vLLM; the info kept since its drop goes first (vLLM would keep
+        an entry already there instead of the peer's new one)."""
+        if engine_id in self._kept_transfer_info:
+            self._kept_transfer_info.discard(engine_id)
+            self.transfer_topo.unregister_remote_engine(engine_id)
+
     def _fail_unreachable(self) -> None:
         now = time.monotonic()
         with self._peer_lock:
@@ -277,6 +320,25 @@ class PeerFlow(Flow):
             last = self._last_contact.get(engine_id, 0.0)
             if now - last > self._unreachable_after_s:
                 self._fail_receives_on(engine_id, agents, ReceiveFailure.PEER_UNREACHABLE)
+
+    # ------------------------------------------------------- P, also when idle
+    def _poll_while_idle(self) -> None:
+        """P (own thread): wake the writer (it reads NIXL notifications) and answer the
+        PUSH_REGs no request matched in time, whether or not the engine steps."""
+        warned = False
+        while not self._idle_stop.wait(IDLE_POLL_INTERVAL_S):
+            try:
+                self._push_writer_wake.set()
+                if self._pending_since:
+                    self._answer_unmatched(time.monotonic())
+            except Exception:
+                if not warned:
+                    logger.warning("Checking unmatched PUSH_REGs failed; will retry", exc_info=True)
+                    warned = True
+
+    def shutdown(self) -> None:
+        self._idle_stop.set()
+        super().shutdown()
 
     def _answer_unmatched(self, now: float) -> None:
         """P: PUSH_REGs no request of P matched in time are answered with PUSH_FAIL."""

@@ -183,7 +183,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
                 self._take_push_fail_notifs()  # before vLLM drains its failed receives
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
-        if self._suspects or self._dropped or self._pending_since:
+        if self._suspects or self._dropped:
             try:
                 self._tend_peers()  # before vLLM reports the receives it fails
             except Exception as exc:
@@ -236,7 +236,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
             return
         if failure_type in _PUSH_FAILURES and self._kv_role != "kv_consumer":
             if failure_type != "push_handshake_failed":  # (the WRITE itself failed)
-                self._push_broke(req_id)
+                self._push_broke(req_id, why)
             self._mark_push_failed(req_id, failure_type, str(why))
         elif failure_type in _RECEIVE_FAILURES:
             self._note_receive_failure(req_id, ReceiveFailure.HANDSHAKE_FAILED)
