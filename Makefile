@@ -27,7 +27,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak load clean venv-vllm033 test-vllm033
+.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak faults load clean venv-vllm033 test-vllm033
 
 setup: venv system-deps
 
@@ -88,11 +88,15 @@ test-vllm033: venv-vllm033 system-deps
 	VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm033 \
 	  $(PY033) -m pytest -q -p no:cacheprovider $(if $(LANE033_ALL),-m "not serve",$(LANE033_SKIP)) $(PYTEST_ARGS)
 
-# Opt-in soak on real `vllm serve` beside a CPU hog (issue 9): SOAK_WAVES x SOAK_WAVE_SIZE concurrent requests.
+# Opt-in soak on real `vllm serve` beside a CPU hog: SOAK_WAVES x SOAK_WAVE_SIZE concurrent requests.
 soak: setup
 	SOAK=1 $(PY) -m pytest -q -p no:cacheprovider -s tests/test_soak_serve.py
 
-# The load test at the issue's size (CI runs it at 1,200 requests x 6 decoders): 50 decoders in waves of 10.
+# Opt-in network and host faults between P and D on separate hosts (network namespaces: needs root).
+faults: setup
+	FAULTS=1 $(PY) -m pytest -q -p no:cacheprovider -s tests/test_network_faults.py
+
+# The full-size load test (CI runs it at 1,200 requests x 6 decoders): 50 decoders in waves of 10.
 LOAD_REQUESTS ?= 10000
 LOAD_DECODERS ?= 50
 load: setup

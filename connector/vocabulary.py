@@ -111,7 +111,7 @@ class TelemetryError(_Vocab):
     MALFORMED_RECORD = "malformed_record"  # API server: a stats record dropped whole
     TABLE_FULL = "table_full"  # per-request state past its bound: oldest dropped
     TRACE_CONTEXT = "trace_context_invalid"  # a peer sent an unusable trace context
-    # -- trace export back-end (issue 9): counted per span, never blocking a push --
+    # -- trace export back-end: counted per span, never blocking a push --
     SPANS_DROPPED = "spans_dropped"  # batch span queue full (exporter slow or down): span dropped
     SPAN_EXPORT_FAILED = "span_export_failed"  # exporter gave up on a batch or raised: per span
 
@@ -742,7 +742,7 @@ PUSH_REG_FIELDS: dict[str, tuple[type, ...]] = {
 MAX_PUSH_REG_BYTES = 1 << 20  # a PUSH_REG with 1M block ids is far past any real request
 MAX_PEER_STRING = 256  # engine ids, hosts, request ids kept on spans or in logs
 
-# -- trust boundary (issue 9): error text that can quote what a peer sent -----------
+# -- trust boundary: error text that can quote what a peer sent -----------
 MAX_ERROR_MESSAGE = 1024  # a handshake error's message (logs, span events)
 
 # ------------------------------------------------------------------ router (connector.router)

@@ -45,6 +45,10 @@ LEASE_EXPIRY_WINDOW = "10m"
 # no stray late heartbeat but a decoder heartbeating the wrong prefill, or an id mismatch.
 UNKNOWN_HEARTBEAT_FOR = "15m"
 PEER_RESTART_WINDOW = "10m"
+# A decode request waiting this long for its KV waits on something that will not come
+# soon: a network partition between it and its prefill, or a prefill that never answers
+# (vLLM's own watchdog, push_registration_timeout, is 480 s).
+REMOTE_PREFILL_WAIT_THRESHOLD_S = 120
 
 
 def s(series: str, *matchers: str) -> str:
@@ -84,7 +88,8 @@ def _lease_alerts() -> list[dict[str, Any]]:
 
 
 def _peer_alerts() -> list[dict[str, Any]]:
-    """A remote engine came back with a new NIXL agent: the requests it held were lost."""
+    """A remote engine came back with a new NIXL agent: the requests it held were lost.
+    A request waits for its KV far longer than a lease: its prefill is out of reach."""
     restarts = total(V.PEER_RESTARTS)
     win = PEER_RESTART_WINDOW
     return [
@@ -98,6 +103,18 @@ def _peer_alerts() -> list[dict[str, Any]]:
                             "under the same engine id with a new NIXL agent. The requests whose "
                             "KV the old instance held were failed at once (recomputed or failed "
                             "per kv_load_failure_policy); new requests use the new connection."}},
+        {"alert": "NixlRemotePrefillWaitingLong",
+         "expr": f"max {by(*INSTANCE)} ({s(V.REMOTE_PREFILL_OLDEST_WAIT.name)})"
+                 f" > {REMOTE_PREFILL_WAIT_THRESHOLD_S}",
+         "for": "1m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "A request on {{ $labels.instance }} waits long for its KV",
+             "description": "The oldest request on decode engine {{ $labels.instance }} has waited "
+                            "{{ $value | humanizeDuration }} for KV from a prefill engine (threshold "
+                            f"{REMOTE_PREFILL_WAIT_THRESHOLD_S}s). Nothing failed: the path to its "
+                            "prefill may be partitioned (NIXL queues what it cannot send), or the "
+                            "prefill never answers; vLLM fails it after push_registration_timeout."}},
     ]
 
 

@@ -32,6 +32,8 @@ from harness.poll import wait_until
 # 198.18.0.0/15 = 198.18.0.0-198.19.255.255; one /24 per network.
 _BASE = "198.18"
 NETNS_ETC = Path("/etc/netns")
+# A locally administered unicast MAC no interface here has (Network.partition).
+_NOWHERE = "02:00:5e:00:de:ad"
 
 
 class NetworkUnavailable(RuntimeError):
@@ -126,6 +128,19 @@ class Network:
             self.close()
             raise
         return self
+
+    def partition(self, a: str, b: str, cut: bool = True) -> None:
+        """Cut (or heal) the path between hosts `a` and `b` only: both keep their links to
+        every other host. Each host's neighbour entry for the other points at a MAC no
+        interface has, so their frames go nowhere and nothing reports an error (as when
+        the network between two nodes fails); healing removes the entries."""
+        for src, dst in ((self[a], self[b]), (self[b], self[a])):
+            dev = f"{src.veth}i"
+            if cut:
+                _ip("-n", src.netns, "neigh", "replace", dst.address, "lladdr", _NOWHERE,
+                    "dev", dev, "nud", "permanent")
+            else:
+                _ip("-n", src.netns, "neigh", "del", dst.address, "dev", dev)
 
     def _write_etc(self, host: Host) -> None:
         etc = NETNS_ETC / host.netns
