@@ -10,7 +10,6 @@ payload and hands the `{(pp_rank, tp_rank): payload}` map to rank 0.
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -58,10 +57,6 @@ class Cluster:
     def name(self) -> str:
         return self.spec.name
 
-    @property
-    def log_files(self) -> list[str]:
-        return [s.log_file or "" for s in self.rank_specs]
-
     def start(self) -> Cluster:
         """Spawn every rank at once (they rendezvous in gloo), then serve metadata."""
         self.launch()
@@ -97,10 +92,6 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    @property
-    def pids(self) -> list[int]:
-        return [h.process.pid for h in self.ranks if h.process.pid is not None]
 
     @property
     def address(self) -> dict[str, Any]:
@@ -150,12 +141,3 @@ class Cluster:
         per = self.spec.num_kv_heads // self.spec.tp_size
         return [(t * per, (t + 1) * per) for t in range(self.spec.tp_size)]
 
-
-def wait_until(predicate: Any, timeout_s: float, poll_s: float = 0.02) -> bool:
-    """Poll `predicate()` until it holds or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(poll_s)
-    return bool(predicate())

@@ -272,9 +272,8 @@ class Engine(FaultCommands, InstrumentCommands):
         info.req_ids.add(remote_request_id)
         # vLLM throttles heartbeats to one per interval for all requests, from a last
         # send time of 0: the first request's go out on its first step, later ones with
-        # the next interval's. (Until 2026-12-01 the harness sent one on every request's
-        # first step: a second NIXL notification per request from D's main thread, at
-        # the moment D's writer sends the PUSH_REG, both spinning on UCX's lock.)
+        # the next interval's (not one per request on its first step, which would add a
+        # NIXL notification from D's main thread as D's writer sends the PUSH_REG).
         if now or not self.last_heartbeat:
             self.pending_meta.heartbeat_by_engine = dict(self.heartbeats)
 

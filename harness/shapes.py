@@ -7,6 +7,9 @@ rank's heads are checked against the P ranks that hold them. The fork's saving
 figures come from its own connector stats; the stock ground truth is counted
 from the NIXL calls its D workers made.
 
+Where vLLM's push mode moves no KV (P and D block sizes differ, see `moves_kv`),
+nothing is pushed unless asked (`--push`): only the heartbeat handshakes run.
+
     python -m harness.shapes --p-tp 2 --d-tp 1 [--p-pp 2] [--p-block-size 64] --connector fork|stock
 
 prints one JSON line (engine logs go to files under --workdir).
@@ -19,16 +22,16 @@ import json
 import secrets
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from connector.vocabulary import SPAN_HANDSHAKE, Attr
-from harness.cluster import Cluster, wait_until
+from harness.cluster import Cluster
 from harness.config import FORK, STOCK, EngineSpec
+from harness.poll import wait_until
 from harness.runner import free_port
 
 LOCAL_AGENT = "NIXL_INIT_AGENT"
@@ -36,6 +39,20 @@ NUM_KV_HEADS = 4  # total KV heads: TP 4 still gives every rank its own head
 NUM_LAYERS = 2
 NUM_BLOCKS = 24
 D_BLOCK_SIZE = 32
+# vLLM's own stats key (stock and fork): one entry per failed handshake.
+FAILED_HANDSHAKES = "num_failed_handshakes"
+
+PerRank = list[list[dict[str, Any]]]
+
+
+def moves_kv(p_block_size: int, d_block_size: int) -> bool:
+    """Whether vLLM 0.32's push mode moves KV from P to D on this CPU backend.
+
+    Only between equal block sizes: with P 64 / D 32, P's WRITE lands and D's
+    `get_transfer_results` fails its `block_size_ratio` assertion (which ends a
+    harness engine's loop); with P 32 / D 64, P's P->D handshake fails it.
+    """
+    return p_block_size == d_block_size
 
 
 @dataclass
@@ -44,7 +61,9 @@ class CaseResult:
 
     shape: dict[str, Any]
     connector: str
+    pushed: bool = False
     bytes_ok: bool = False
+    connected: list[bool] = field(default_factory=list)  # per D rank, to P after its heartbeat
     per_d_rank: list[dict[str, Any]] = field(default_factory=list)
     handshakes: list[list[dict[str, Any]]] = field(default_factory=list)  # per D rank, D->P
     calls: list[list[tuple[str, str, int]]] = field(default_factory=list)  # per D rank, this case
@@ -70,6 +89,22 @@ class CaseResult:
     def saved(self, key: str) -> list[int]:
         return [sum(h[key] for h in rank) for rank in self.handshakes]
 
+    @property
+    def nothing_saved_because(self) -> list[str]:
+        """Why the fork's handshake spans say nothing was saved (memory tracing only)."""
+        return sorted({s["attributes"][Attr.NOTHING_SAVED_BECAUSE] for rank in self.spans for s in rank
+                       if s["name"] == SPAN_HANDSHAKE and Attr.NOTHING_SAVED_BECAUSE in s["attributes"]})
+
+    # ---- both: vLLM's own failed-handshake count
+    @property
+    def failed_handshakes(self) -> int:
+        return sum(len(s.get(FAILED_HANDSHAKES, [])) for rank in self.stats for s in rank)
+
+    @property
+    def ok(self) -> bool:
+        """No error, and where something was pushed, every byte landed right."""
+        return self.error is None and (self.bytes_ok or not self.pushed)
+
     # ---- stock: from NIXL calls on D
     def prepared(self, local: bool) -> tuple[list[int], list[int]]:
         """(lists, descriptors) prepared per D rank, remote or local lists."""
@@ -83,8 +118,10 @@ class CaseResult:
     def summary(self) -> dict[str, Any]:
         remote_lists, remote_descs = self.prepared(local=False)
         local_lists, local_descs = self.prepared(local=True)
-        out: dict[str, Any] = {**self.shape, "connector": self.connector, "bytes_ok": self.bytes_ok,
+        out: dict[str, Any] = {**self.shape, "connector": self.connector, "pushed": self.pushed,
+                               "bytes_ok": self.bytes_ok, "d_ranks_connected": sum(self.connected),
                                "d_to_p_full_handshakes": self.d_to_p_full_handshakes,
+                               "d_to_p_failed_handshakes": self.failed_handshakes,
                                "failed_requests": len(self.failed)}
         if self.connector == FORK:
             out["d_to_p_handshakes"] = len(self.d_to_p)
@@ -94,6 +131,8 @@ class CaseResult:
             out["registrations_saved"] = sum(self.saved("saved_registrations"))
             out["descriptors_saved_per_rank"] = self.saved("saved_descriptors")
             out["registrations_saved_per_rank"] = self.saved("saved_registrations")
+            if self.spans:
+                out["nothing_saved_because"] = self.nothing_saved_because
         out["d_remote_lists_prepared"] = sum(remote_lists)
         out["d_remote_descriptors_prepared"] = sum(remote_descs)
         out["d_local_lists_prepared"] = sum(local_lists)
@@ -118,18 +157,42 @@ def shape_of(p: Cluster, d: Cluster) -> dict[str, Any]:
             "d_tp": d.spec.tp_size, "d_block_size": d.spec.block_size}
 
 
+def _records(stats: list[dict[str, Any]], direction: str) -> list[dict[str, Any]]:
+    return [h for s in stats for h in s.get("handshakes", []) if h["direction"] == direction]
+
+
 def _d_to_p_records(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [h for s in stats for h in s.get("handshakes", []) if h["direction"] == "d_to_p"]
+    return _records(stats, "d_to_p")
 
 
-def drain_stats(cluster: Cluster, settle_s: float = 0.3, rounds: int = 3) -> list[list[dict[str, Any]]]:
-    """Stats dicts per rank since the last drain, waiting briefly for late records."""
-    per_rank: list[list[dict[str, Any]]] = [[] for _ in cluster.ranks]
-    for _ in range(rounds):
-        time.sleep(settle_s)  # lets records produced by in-flight steps arrive; not a sync point
+def collect_stats(cluster: Cluster, per_rank: PerRank, until: Callable[[PerRank], bool], what: str,
+                  timeout_s: float) -> None:
+    """Add each rank's new stats dicts to `per_rank` until `until(per_rank)` holds.
+
+    Records reach a rank's stats on its next engine step, after the event itself:
+    wait for the records a case needs, never for a fixed time.
+    """
+    def more() -> bool:
         for i, got in enumerate(cluster.call_all("stats")):
             per_rank[i].extend(got)
-    return per_rank
+        return until(per_rank)
+
+    wait_until(more, what, timeout_s, interval_s=0.05,
+               last=lambda: [[{k: v for k, v in s.items() if v} for s in rank] for rank in per_rank])
+
+
+def _handshake_ended(connections: dict[str, Any], stats: list[dict[str, Any]], p_engine_id: str,
+                     fork: bool) -> bool:
+    """One D rank's heartbeat handshake to P is over, whatever its outcome.
+
+    The fork records every handshake it ends (then it is connected, or it failed);
+    a stock D shows only its connection, or vLLM's failed-handshake count.
+    """
+    connected = p_engine_id in connections["remote_agents"]
+    if fork:
+        records = _d_to_p_records(stats)
+        return bool(records) and (connected or records[-1]["outcome"] != "success")
+    return connected or any(s.get(FAILED_HANDSHAKES) for s in stats)
 
 
 class ShapeRunner:
@@ -152,12 +215,21 @@ class ShapeRunner:
             seen[i] = len(calls)
         return out
 
-    def handshake_by_heartbeat(self, p: Cluster, d: Cluster) -> bool:
-        """Every D rank reaches P from a heartbeat, before any registration."""
+    def handshake_by_heartbeat(self, p: Cluster, d: Cluster, stats: PerRank) -> list[bool]:
+        """Every D rank's heartbeat, before any registration, starts its D->P handshake;
+        wait until each one ended (gathering D's stats into `stats`). Which D ranks are
+        connected to P afterwards."""
         d.call_all("heartbeat", p.address, f"hb-{secrets.token_hex(3)}")
-        eid = p.spec.engine_id
-        return wait_until(lambda: all(eid in c["remote_agents"] for c in d.call_all("connections")),
-                          self.timeout_s, poll_s=0.05)
+        eid, fork = p.spec.engine_id, d.spec.connector == FORK
+        seen: list[Any] = []
+
+        def ended(per_rank: PerRank) -> bool:
+            seen[:] = d.call_all("connections")
+            return all(_handshake_ended(c, s, eid, fork) for c, s in zip(seen, per_rank))
+
+        collect_stats(d, stats, ended, f"the heartbeat handshake of every {d.name} rank to {p.name} to end",
+                      self.timeout_s)
+        return [eid in c["remote_agents"] for c in seen]
 
     def push(self, p: Cluster, d: Cluster) -> tuple[bool, list[dict[str, Any]], list[str]]:
         """Push requests P->D; check every D rank's heads against the P ranks holding them."""
@@ -182,7 +254,8 @@ class ShapeRunner:
             return all(d_ids <= set(r["finished_recving"]) | set(r["failed_recving"])
                        for r in d.call_all("results"))
 
-        wait_until(landed, self.timeout_s, poll_s=0.05)
+        wait_until(landed, f"{len(d_ids)} pushes {p.name}->{d.name} to land or fail on every D rank",
+                   self.timeout_s, interval_s=0.05)
         results = d.call_all("results")
         failed = sorted({i for r in results for i in d_ids
                          if i not in r["finished_recving"] or i in r["failed_recving"]})
@@ -206,25 +279,37 @@ class ShapeRunner:
         ok = not failed and not dirty and all(e["ok"] for e in per_rank)
         return ok, per_rank, failed
 
-    def run_case(self, p: Cluster, d: Cluster) -> CaseResult:
-        res = CaseResult(shape=shape_of(p, d), connector=d.spec.connector)
+    def run_case(self, p: Cluster, d: Cluster, push: bool | None = None) -> CaseResult:
+        """D reaches P by heartbeat, then (when `push`; by default where vLLM moves KV
+        between the two block sizes) requests are pushed P->D."""
+        res = CaseResult(shape=shape_of(p, d), connector=d.spec.connector,
+                         pushed=moves_kv(p.spec.block_size, d.spec.block_size) if push is None else push)
         self._new_calls(d)
-        drain_stats(d, settle_s=0.0, rounds=1)
+        d.call_all("stats")  # (what earlier cases left)
+        p.call_all("stats")
+        stats: PerRank = [[] for _ in d.ranks]
+        p_stats: PerRank = [[] for _ in p.ranks]
         try:
-            if not self.handshake_by_heartbeat(p, d):
-                res.error = "D->P handshake from heartbeat did not complete"
-            res.bytes_ok, res.per_d_rank, res.failed = self.push(p, d)
+            res.connected = self.handshake_by_heartbeat(p, d, stats)
+            if res.pushed:
+                res.bytes_ok, res.per_d_rank, res.failed = self.push(p, d)
+                if not res.failed:  # every P rank handshook D before its WRITE
+                    collect_stats(p, p_stats, lambda per: all(_records(s, "p_to_d") for s in per),
+                                  f"a P->D handshake record from every {p.name} rank", self.timeout_s)
         except Exception as exc:  # recorded for the report; the caller decides
             res.error = f"{type(exc).__name__}: {exc}"
-        finally:
+        try:  # (a D whose engine loop ended answers no more: keep what was gathered)
             d.call_all("stop_heartbeats", p.spec.engine_id)
-        res.stats = drain_stats(d)
-        res.handshakes = [_d_to_p_records(s) for s in res.stats]
-        res.calls = self._new_calls(d)
-        res.p_handshakes = [[h for st in rank for h in st.get("handshakes", [])
-                             if h["direction"] == "p_to_d"] for rank in drain_stats(p, rounds=1)]
-        if d.spec.tracing == "memory":
-            res.spans = [_handshake_spans(spans, p.spec.engine_id) for spans in d.call_all("spans")]
+            for i, got in enumerate(d.call_all("stats")):
+                stats[i].extend(got)
+            res.calls = self._new_calls(d)
+            if d.spec.tracing == "memory":
+                res.spans = [_handshake_spans(spans, p.spec.engine_id) for spans in d.call_all("spans")]
+        except Exception as exc:
+            res.error = res.error or f"{type(exc).__name__}: {exc}"
+        res.stats = stats
+        res.handshakes = [_d_to_p_records(s) for s in stats]
+        res.p_handshakes = [_records(s, "p_to_d") for s in p_stats]
         return res
 
 
@@ -244,15 +329,16 @@ class PShape:
     d_tps: tuple[int, ...] = (1, 2)  # D engines (TP sizes) run against this P
 
 
-# The matrix: P TP x D TP in {(1,1),(1,2),(2,1),(2,2),(4,2)}, and P PP 2.
-# No block-size case: vLLM 0.32's push mode moves no KV between different block
-# sizes (P 64 / D 32: D's get_transfer_results asserts once the WRITE lands; P 32 /
-# D 64: P's P->D handshake asserts). `--p-block-size 64` shows it.
+# The matrix: P TP x D TP in {(1,1),(1,2),(2,1),(2,2),(4,2)}, P PP 2, and P's block
+# size larger than D's (P 64 / D 32). vLLM's push mode moves no KV in that last one
+# (`moves_kv`): only the handshakes run there, and it comes last, after which the
+# stock D's failed heartbeat handshakes cannot spill into another case.
 MATRIX = (
     PShape(tp=1, d_tps=(1, 2)),
     PShape(tp=2, d_tps=(1, 2)),
     PShape(tp=4, d_tps=(2,)),
     PShape(tp=1, pp=2, d_tps=(1, 2)),
+    PShape(tp=1, block_size=64, d_tps=(1,)),
 )
 
 
@@ -304,35 +390,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-block-size", type=int, default=D_BLOCK_SIZE)
     ap.add_argument("--connector", choices=[FORK, STOCK], default=FORK, help="the D engine's connector")
     ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--push", action=argparse.BooleanOptionalAction, default=None,
+                    help="push requests (default: only where vLLM moves KV between the block sizes; "
+                         "--push with different block sizes shows D's engine loop failing)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--matrix", action="store_true",
                     help="run the whole matrix (fork and stock D side by side), one JSON line per case")
     args = ap.parse_args(argv)
     work = args.workdir or tempfile.mkdtemp(prefix="shapes-")
+    print(f"engine logs: {work}/*.log", file=sys.stderr)
     if args.matrix:
-        print(f"engine logs: {work}/*.log", file=sys.stderr)
         ok = True
-        for _, _, res in run_matrix(work, requests=args.requests, tracing=None):
+        for _, _, res in run_matrix(work, requests=args.requests):
             print(json.dumps(res.summary()), flush=True)
-            ok = ok and res.bytes_ok
+            ok = ok and res.ok
         return 0 if ok else 1
     p = Cluster(engine_spec("P", "kv_producer", FORK, tp=args.p_tp, pp=args.p_pp,
                             block_size=args.p_block_size, workdir=work))
     d = Cluster(engine_spec("D", "kv_consumer", args.connector, tp=args.d_tp,
-                            block_size=args.d_block_size, workdir=work))
-    print(f"engine logs: {work}/*.log", file=sys.stderr)
+                            block_size=args.d_block_size, workdir=work,
+                            tracing="memory" if args.connector == FORK else None))
+    ok = False
     try:
         p.start()
         d.start()
-        summary = ShapeRunner(requests=args.requests).run_case(p, d).summary()
+        res = ShapeRunner(requests=args.requests).run_case(p, d, push=args.push)
+        summary, ok = res.summary(), res.ok
     except Exception as exc:
         summary = {"p_tp": args.p_tp, "p_pp": args.p_pp, "d_tp": args.d_tp, "connector": args.connector,
-                   "bytes_ok": False, "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+                   "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
     finally:
         d.stop()
         p.stop()
     print(json.dumps(summary))
-    return 0 if summary.get("bytes_ok") else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

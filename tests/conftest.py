@@ -7,7 +7,6 @@ scenarios run once per session and record what happened; the tests assert on it.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,20 +18,21 @@ os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(__file__).resolve().parents[1]
 
 from harness import PushHarness
 from harness.config import FORK, STOCK, EngineSpec
+from harness.poll import wait_until
 from harness.runner import free_port
 
 
 def drain_stats(h: PushHarness, engine: str, until: Any, timeout_s: float = 60.0) -> list[dict]:
-    """Stats dicts of an engine, collected until `until(collected)` holds (polled)."""
+    """Stats dicts of an engine, collected until `until(collected)` holds (polled):
+    records reach the stats on the engine's next step, after the event itself."""
     out: list[dict] = []
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def more() -> bool:
         out.extend(h.stats(engine))
-        if until(out):
-            return out
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{engine}: stats never satisfied the condition; got {out}")
-        time.sleep(0.02)  # poll interval, not a synchronisation
+        return until(out)
+
+    wait_until(more, f"{engine}'s stats to satisfy the condition", timeout_s, last=lambda: out)
+    return out
 
 
 def stat_count(stats: list[dict], key: str) -> int:

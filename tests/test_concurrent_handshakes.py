@@ -1,5 +1,5 @@
-"""Handshakes to different remote engines run at once, and safely (issue "Beyond one
-host", part 3), on real engines with real NIXL agents.
+"""Handshakes to different remote engines run at once, and safely, on real engines with
+real NIXL agents.
 
 The fork runs handshakes on a bounded pool, one at a time per remote engine, with
 every NIXL/vLLM registration call serialised under a lock (vLLM builds its NIXL agent

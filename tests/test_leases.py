@@ -1,4 +1,4 @@
-"""P's KV leases in push mode (issue "P's KV lease in push mode"), on real engines.
+"""P's KV leases in push mode, on real engines.
 
 Upstream, D's heartbeats name a request by the router's id (or, from a fork decoder,
 by D's own internal id) while P keys its leases by its own internal id, and vLLM's

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -17,18 +18,21 @@ from connector.vocabulary import (
 )
 from harness import PushHarness
 from harness.otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
+from harness.poll import wait_until
 
 pytestmark = pytest.mark.real
 
 
-def wait_for_spans(receiver, predicate, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def wait_for_spans(receiver: Any, predicate: Callable[[list[dict]], bool], what: str,
+                   timeout_s: float = 20.0) -> list[dict]:
+    """The receiver's spans once `predicate` holds for them (the batch processor exports
+    on its own thread, after the flush the test asked for)."""
+    def arrived() -> list[dict] | None:
         spans = receiver.snapshot()
-        if predicate(spans):
-            return spans
-        time.sleep(0.1)
-    raise AssertionError(f"receiver got {len(receiver.snapshot())} spans, condition never held")
+        return spans if predicate(spans) else None
+
+    return wait_until(arrived, what, timeout_s, interval_s=0.1,
+                      last=lambda: f"{len(receiver.snapshot())} spans")
 
 
 def test_spans_arrive_over_otlp_grpc_and_http(tmp_path):
@@ -44,8 +48,10 @@ def test_spans_arrive_over_otlp_grpc_and_http(tmp_path):
             for name in ("P", "D"):
                 assert h[name].call("tracer_kind") == "Tracer"  # the SDK's, on our provider
                 h[name].call("spans")  # force_flush the batch processor
-            p_spans = wait_for_spans(grpc_rx, lambda s: sum(x["name"] == SPAN_PUSH_WRITE for x in s) == 3)
-            d_spans = wait_for_spans(http_rx, lambda s: sum(x["name"] == SPAN_PUSH_RECEIVE for x in s) == 3)
+            p_spans = wait_for_spans(grpc_rx, lambda s: sum(x["name"] == SPAN_PUSH_WRITE for x in s) == 3,
+                                     "P's 3 write spans over gRPC")
+            d_spans = wait_for_spans(http_rx, lambda s: sum(x["name"] == SPAN_PUSH_RECEIVE for x in s) == 3,
+                                     "D's 3 receive spans over HTTP")
     finally:
         grpc_rx.close()
         http_rx.close()
@@ -62,8 +68,11 @@ def test_spans_arrive_over_otlp_grpc_and_http(tmp_path):
                         (Phase.QUEUE_WAIT, Phase.METADATA_FETCH, Phase.METADATA_DECODE, Phase.AGENT_LOAD)}
     [p_hs] = [s for s in p_spans if s["name"] == SPAN_HANDSHAKE]
     assert p_hs["attributes"][Attr.NOTIF_AGENTS_ONLY] is False
-    assert {s["name"] for s in p_spans if s["parent_span_id"] == p_hs["span_id"]} == {
-        phase_span_name(p) for p in Phase}
+    # Every phase of a full handshake; `registration_wait` only when it waited for another
+    # handshake's NIXL registration (connector/glue/handshakes.py).
+    p_phases = {s["name"] for s in p_spans if s["parent_span_id"] == p_hs["span_id"]}
+    required = {phase_span_name(p) for p in Phase if p is not Phase.REGISTRATION_WAIT}
+    assert required <= p_phases <= required | {phase_span_name(Phase.REGISTRATION_WAIT)}, p_phases
     # One trace per request across the two engines and the two protocols.
     registers = {s["attributes"][Attr.REQUEST_ID]: s for s in d_spans if s["name"] == SPAN_PUSH_REGISTER}
     writes = {s["attributes"][Attr.REMOTE_REQUEST_ID]: s for s in p_spans if s["name"] == SPAN_PUSH_WRITE}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import os
-import random
 import secrets
 import signal
 import threading
@@ -26,24 +25,24 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from connector.glue.wire import parse_push_reg
 from connector.vocabulary import (
-    MAX_PUSH_REG_BYTES,
     PUSH_REG_TRACE_KEY,
     SPAN_HANDSHAKE,
     SPAN_PUSH_REGISTER,
     SPAN_PUSH_WRITE,
     Attr,
+    PushRegRejection,
     StatKey,
 )
-from demo.stack import wait_until
 from harness import PushHarness
 from harness.config import EngineSpec
+from harness.poll import wait_until
 from harness.runner import EngineHandle, free_port
 from tests.conftest import handshakes
+from tests.support import push_reg
+from tests.support.push_reg import ANYTHING
 from tests.test_side_channel_listener import BAD_REQUESTS as BAD_SIDE_CHANNEL_REQUESTS
 from tests.test_side_channel_listener import send_frames
 
@@ -148,7 +147,15 @@ class Rig:
         return p, ids
 
     def results(self, engine: str, until: Callable[[dict], bool], timeout_s: float = 60.0) -> dict:
-        return self.h.wait_for(engine, until, command="results", timeout_s=timeout_s)
+        """`engine`'s transfer results once `until(results)` holds (polled)."""
+        seen: list[dict] = [{}]
+
+        def holds() -> dict | None:
+            seen[0] = self.h[engine].call("results")
+            return seen[0] if until(seen[0]) else None
+
+        return wait_until(holds, f"{engine}'s results to satisfy the condition", timeout_s,
+                          interval_s=0.01, last=lambda: seen[0])
 
     def same_bytes(self, p: str, p_blocks: list[int], d: str, d_blocks: list[int]) -> bool:
         return self.h[p].call("digest", p_blocks) == self.h[d].call("digest", d_blocks)
@@ -162,14 +169,14 @@ class Rig:
                 timeout_s: float = 60.0) -> list[dict]:
         """Stats dicts of `engine` until `until(collected)` holds (polled)."""
         out: list[dict] = []
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def more() -> bool:
             out.extend(self.h.stats(engine))
-            if until(out):
-                return out
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{engine}: stats never satisfied the condition: {summary(out)}")
-            time.sleep(0.02)  # poll interval, not a synchronisation
+            return until(out)
+
+        wait_until(more, f"{engine}'s stats to satisfy the condition", timeout_s,
+                   last=lambda: summary(out))
+        return out
 
     def drop_stats(self, *engines: str) -> None:
         for engine in engines:
@@ -299,7 +306,7 @@ def test_p_to_d_handshake_retry_rides_out_a_stalled_side_channel(rig: Rig) -> No
     # The PUSH_REG reaches P first, so P starts its P->D handshake early (before the
     # prefill finishes) and the WRITE joins it. Once found flaky: that early handshake
     # was never retried, so its first stalled attempt failed the joined request.
-    wait_until(lambda: proxy.requests >= 1, 30.0, "P's early handshake to reach the proxy", step_s=0.01)
+    wait_until(lambda: proxy.requests >= 1, "P's early handshake to reach the proxy", 30.0, interval_s=0.01)
     h["P"].call("finish", p_id, p_blocks, 30.0)
 
     res = rig.results("D", lambda r: d_id in r["finished_recving"])
@@ -544,125 +551,70 @@ def test_write_to_blocks_outside_d_fails_once_and_writes_nothing(rig: Rig, bad_b
 
 
 # ------------------------------------------------------------ 5. PUSH_REG fuzz
-PREFIX = b"PUSH_REG:"
-_ints = st.integers(min_value=-(2**63), max_value=2**64 - 1)  # what msgpack can carry
-_scalars = (st.none() | st.booleans() | _ints | st.floats() | st.text(max_size=24)
-            | st.binary(max_size=24))
-_anything = st.recursive(
-    _scalars,
-    lambda inner: st.lists(inner, max_size=4)
-    | st.dictionaries(st.text(max_size=12) | _ints, inner, max_size=4),
-    max_leaves=12)
-def fuzz_bodies(decoder: dict[str, Any]) -> st.SearchStrategy[bytes]:
-    """PUSH_REG payloads (after the prefix), mostly malformed.
-
-    The well-formed ones name the real decoder P is already connected to: P keeps
-    them pending (nothing matches), and they start no handshake.
-    """
-    good_reg = st.fixed_dictionaries({
-        "request_id": st.text(max_size=40).map(lambda t: "fuzz-" + t),
-        "decode_engine_id": st.just(decoder["engine_id"]),
-        "decode_host": st.just(decoder["host"]),
-        "decode_port": st.just(decoder["port"]),
-        "decode_tp_size": st.just(1),
-        "local_block_ids": st.lists(st.lists(st.integers(0, 10**6), max_size=8), min_size=1,
-                                    max_size=2),
-        "remote_engine_id": st.text(max_size=20),
-    }, optional={PUSH_REG_TRACE_KEY: _anything})
-
-    @st.composite
-    def mutated(draw: st.DrawFn) -> dict[str, Any]:
-        reg = draw(good_reg)
-        field = draw(st.sampled_from(sorted(reg)))
-        if draw(st.booleans()):
-            del reg[field]
-        else:
-            reg[field] = draw(_anything)
-        return reg
-
-    @st.composite
-    def truncated(draw: st.DrawFn) -> bytes:
-        body = msgspec.msgpack.encode(draw(good_reg))
-        return body[:draw(st.integers(0, len(body) - 1))]
-
-    return st.one_of(
-        st.binary(max_size=256),  # not msgpack at all (mostly)
-        st.builds(msgspec.msgpack.encode, _anything),  # a non-map, or a map without our fields
-        st.builds(msgspec.msgpack.encode, mutated()),  # a field missing or of the wrong type
-        truncated(),  # cut short
-        st.builds(msgspec.msgpack.encode, good_reg),  # well-formed, matches nothing
-    )
-
-
+# The classes tests/support/push_reg.py builds, each with the reason it must get.
+BUILT_REASONS = (PushRegRejection.UNDECODABLE, PushRegRejection.NOT_A_MAP, PushRegRejection.MISSING_FIELD,
+                 PushRegRejection.WRONG_TYPE, PushRegRejection.OVERSIZED)
+# Verdicts P gives a PUSH_REG as it arrives (any other reason drops one kept pending).
+ON_ARRIVAL = {r.value for r in (*BUILT_REASONS, PushRegRejection.FAILED, PushRegRejection.AFTER_LEASE)}
 HOSTILE_CONTEXTS = st.one_of(
-    _anything,
-    st.fixed_dictionaries({"traceparent": st.text(max_size=200) | _anything}),
+    ANYTHING,
+    st.fixed_dictionaries({"traceparent": st.text(max_size=200) | ANYTHING}),
     st.just({"traceparent": "00-" + "f" * 32 + "-" + "f" * 16 + "-01", "tracestate": "x" * 5000}),
     st.just({"traceparent": "x" * 100_000}),
 )
 
 
-def mutants(body: bytes, n: int) -> list[bytes]:
-    """`n` cheap byte-level variants of one payload (a flipped byte, cut short,
-    garbage appended, a byte dropped), deterministic per payload."""
-    rnd = random.Random(body)
-    out = []
-    for i in range(n):
-        b = bytearray(body or b"\x00")
-        pos = rnd.randrange(len(b))
-        if i % 4 == 0:
-            b[pos] ^= 1 << rnd.randrange(8)
-        elif i % 4 == 1:
-            del b[pos:]
-        elif i % 4 == 2:
-            b += rnd.randbytes(rnd.randrange(1, 16))
-        else:
-            del b[pos]
-        out.append(bytes(b))
-    return out
-
-
-def draw_examples(strategy: st.SearchStrategy, n: int) -> list[Any]:
-    """`n` examples from a strategy (Hypothesis as the generator; no shrinking needed:
-    the oracle below classifies every payload)."""
-    out: list[Any] = []
-
-    @settings(max_examples=n, database=None, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
-    @given(strategy)
-    def collect(example: Any) -> None:
-        out.append(example)
-
-    collect()
-    return out
-
-
 def test_push_reg_fuzz_through_real_nixl(rig: Rig) -> None:
-    """Thousands of malformed PUSH_REGs from D's real NIXL agent into P's writer, in
-    batches with good pushes (carrying hostile trace contexts) in between."""
+    """Thousands of PUSH_REGs, mostly malformed, from D's real NIXL agent into P's writer,
+    in batches with good pushes (carrying hostile trace contexts) in between.
+
+    First payloads whose fate is known by construction (tests/support/push_reg.py):
+    each rejected with its reason, counted once, and every valid one kept pending on P.
+    Then byte-level mutants of them, of unknown class: each one rejected (for some
+    reason, counted once) or accepted (then pending on P), none lost or counted twice.
+    """
     h, p_eid = rig.h, rig.h["P"].address["engine_id"]
-    seeds = draw_examples(fuzz_bodies(h["D"].address), 500)
-    bodies = seeds + [mutant for seed in seeds for mutant in mutants(seed, 4)]
-    contexts = draw_examples(HOSTILE_CONTEXTS, 10)
-    oversized = [b"\x00" * (MAX_PUSH_REG_BYTES + 1),
-                 msgspec.msgpack.encode({"request_id": "x" * (2 * MAX_PUSH_REG_BYTES)})]
-    notifs = [PREFIX + b for b in bodies] + [PREFIX + b for b in oversized]
-    expected = collections.Counter(
-        problem[0].value for n in notifs if (problem := parse_push_reg(n)[1]) is not None)
-    assert len(expected) >= 5, expected  # every rejection reason was tried (bar processing_failed)
-    n_bad = sum(expected.values())
-    assert n_bad >= 1500, expected
+    built = push_reg.classes(h["D"].address, push_reg.unique_ids("c"))
+    mutants = push_reg.mutants(built, push_reg.unique_ids("m"))
+    expected = collections.Counter(x.reason for x in built if x.reason is not None)
+    valid_ids = {x.request_id for x in built if x.reason is None}
+    assert set(expected) == {r.value for r in BUILT_REASONS}  # every class was built
+    contexts = push_reg.draw_examples(HOSTILE_CONTEXTS, 10)
+    batches = [[x.notif for x in built[i::3]] for i in range(3)]
+    batches += [[push_reg.PREFIX + m for m in mutants[i::2]] for i in range(2)]
 
     rig.drop_stats("P")
     h["P"].call("logged", PUSH_LOG)
-    batches = [notifs[i::5] for i in range(5)]
-    rejected: list[str] = []
+    pending_before = set(h["P"].call("pending_registrations"))
+    good: set[str] = set()
     p_stats: list[dict] = []
+    sent = [0]
+    accepted: set[str] = set()  # pending now, of those sent
+    left = [0]  # accepted, then dropped while pending (a later verdict, e.g. no prefill matched)
+
+    def rejected() -> list[str]:
+        """Verdicts on arrival, by reason (counted once each)."""
+        return [r for r in values(p_stats, StatKey.PUSH_REG_REJECTED) if r in ON_ARRIVAL]
+
+    def conserved() -> bool:
+        """Every payload sent so far was rejected on arrival or accepted, exactly once."""
+        p_stats.extend(h.stats("P"))
+        pending = set(h["P"].call("pending_registrations"))
+        accepted.clear()
+        accepted.update(pending - pending_before - good)
+        later = len(values(p_stats, StatKey.PUSH_REG_REJECTED)) - len(rejected())
+        left[0] = later - len(pending_before - pending)  # (not those pending before)
+        return len(rejected()) + len(accepted) + left[0] == sent[0]
+
+    after_classes: tuple[collections.Counter, set[str]] | None = None
     for i, batch in enumerate(batches):
         assert h["D"].call("send_notifs", p_eid, batch, timeout=120) == len(batch)
-        # Good requests right behind the bad ones, with hostile trace contexts.
+        sent[0] += len(batch)
+        # Good requests right behind the bad ones (P's writer reads the notifications in
+        # order), with hostile trace contexts.
         for ctx in contexts[2 * i:2 * i + 2]:
             p_id, d_id = rig.ids()
+            good.add(d_id)
             _, p_blocks = rig.prefill("P")
             d_blocks = h["D"].allocate(2)
             h["D"].call("register_as", d_id, d_blocks, h["P"].address, p_id, {PUSH_REG_TRACE_KEY: ctx})
@@ -676,19 +628,32 @@ def test_push_reg_fuzz_through_real_nixl(rig: Rig) -> None:
                     f"P's results: {h['P'].call('results')}") from exc
             assert d_id not in res["failed_recving"]
             assert rig.same_bytes("P", p_blocks, "D", d_blocks)
-        want = sum(1 for b in batches[: i + 1] for n in b if parse_push_reg(n)[1] is not None)
-        seen = len(rejected)
-        p_stats += rig.collect(
-            "P", lambda s, want=want, seen=seen: seen + count(s, StatKey.PUSH_REG_REJECTED) >= want)
-        rejected = values(p_stats, StatKey.PUSH_REG_REJECTED)
+        wait_until(conserved, f"each of the {sent[0]} PUSH_REGs sent so far to be rejected or accepted by P",
+                   120, interval_s=0.05, last=lambda: f"{len(rejected())} rejected, {len(accepted)} pending, "
+                                                      f"{left[0]} dropped later, {sent[0]} sent")
+        if i == 2:  # the payloads of known class, all sent and judged
+            after_classes = (collections.Counter(rejected()), set(accepted))
 
-    assert collections.Counter(rejected) == expected  # each bad one counted once, by reason
+    # P counts a push completed when it sees its WRITE done, which can be after D's receive.
+    def all_pushed() -> bool:
+        p_stats.extend(h.stats("P"))
+        return count(p_stats, StatKey.PUSHES_COMPLETED) >= len(contexts)
+
+    wait_until(all_pushed, f"P to count its {len(contexts)} good pushes completed", 60,
+               last=lambda: count(p_stats, StatKey.PUSHES_COMPLETED))
+    assert conserved()  # every payload, classes and mutants: one verdict each
+    assert after_classes is not None
+    by_class, pending_classes = after_classes
+    assert by_class == expected  # each bad one counted once, by its reason
+    assert pending_classes == valid_ids  # and every valid edge case kept
+    # The mutants reached both fates (else conservation would say little).
+    assert len(rejected()) > sum(by_class.values()) and accepted - pending_classes
     assert count(p_stats, StatKey.PUSHES_COMPLETED) == len(contexts)
     assert count(p_stats, StatKey.PUSHES_FAILED) == 0
+    counted = collections.Counter(values(p_stats, StatKey.PUSH_REG_REJECTED))
     fe = observed(h, "P", p_stats)
-    for reason, n in expected.items():
-        assert fe.sample("vllm:nixl_push_reg_rejected_total", {"reason": reason}) == n
+    for reason in (r.value for r in PushRegRejection):
+        assert fe.sample("vllm:nixl_push_reg_rejected_total", {"reason": reason}) == counted[reason]
     logged = [line for line in h["P"].call("logged", PUSH_LOG) if line.startswith("Dropped a PUSH_REG")]
-    assert len(logged) == n_bad
-    assert collections.Counter(line.split("(", 1)[1].split(":", 1)[0] for line in logged) == expected
+    assert collections.Counter(line.split("(", 1)[1].split(":", 1)[0] for line in logged) == counted
     rig.serves("P", "E")

@@ -223,6 +223,19 @@ def test_push_reg_problems(notif: bytes, reason: PushRegRejection | None):
     assert (problem[0] if problem else None) == reason
 
 
+def test_push_reg_classes_get_the_reason_they_were_built_with():
+    """The payload classes the real-engine fuzz test sends (tests/support/push_reg.py),
+    in process: each gets the verdict its construction fixes, a valid one its registration."""
+    from tests.support import push_reg as fuzz
+
+    decoder = {"engine_id": "decode-unit", "host": "127.0.0.1", "port": 5600}
+    for payload in fuzz.classes(decoder, fuzz.unique_ids("u"), n=60):
+        reg, problem = parse_push_reg(payload.notif)
+        assert (problem[0].value if problem else None) == payload.reason, (problem, payload.body[:120])
+        if payload.reason is None:
+            assert reg == payload.reg
+
+
 # ---------------------------------------------------------------------- retries
 def test_retry_policy_retries_only_transient_errors_within_budget():
     policy = RetryPolicy(retries=3, backoff_s=0.5, budget_s=20.0)

@@ -13,7 +13,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,17 +25,9 @@ from connector.router.app import build_app
 from connector.router.config import ConfigError, PrefillTarget, RouterConfig
 from connector.router.tracing import RouterTracing
 from connector.vocabulary import SPAN_ROUTER_REQUEST, RouterLeg, router_leg_span_name
+from harness.poll import PollTimeout, wait_until
 
 WAIT_S = 15.0
-
-
-def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Served:
@@ -49,7 +40,7 @@ class Served:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="auto"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        wait_until(lambda: self.server.started, "uvicorn start")
+        wait_until(lambda: self.server.started, "uvicorn start", WAIT_S, interval_s=0.01)
 
     @property
     def url(self) -> str:
@@ -110,13 +101,13 @@ class Engine:
                 pass
             self.journal.add("disconnect", self.name)
             return
-        if self.waits_for:
-            deadline = time.monotonic() + WAIT_S
-            while not self.journal.seen("arrive", self.waits_for):
-                if time.monotonic() > deadline:
-                    await self._json(send, 500, {"error": f"{self.waits_for} leg never arrived"})
-                    return
-                await asyncio.sleep(0.01)
+        if self.waits_for:  # (polled off the event loop, which keeps serving meanwhile)
+            try:
+                await asyncio.to_thread(wait_until, lambda: self.journal.seen("arrive", self.waits_for),
+                                        f"the {self.waits_for} leg to arrive", WAIT_S, 0.01)
+            except PollTimeout:
+                await self._json(send, 500, {"error": f"{self.waits_for} leg never arrived"})
+                return
         if self.mode == "fail":
             await self._json(send, 500, {"error": "engine exploded"})
         elif self.mode == "bad":
@@ -232,7 +223,7 @@ def test_prefill_failure_cancels_the_decode_leg(deploy):
     resp = dep.post(BODY)
     assert resp.status_code == 502
     assert "prefill leg failed with HTTP 500" in resp.json()["error"]["message"]
-    wait_until(lambda: dep.journal.seen("disconnect", "D0") == 1, "D to see the router hang up")
+    wait_until(lambda: dep.journal.seen("disconnect", "D0") == 1, "D to see the router hang up", WAIT_S)
 
 
 def test_prefill_down_gives_503_and_cancels_decode(deploy):
@@ -242,7 +233,7 @@ def test_prefill_down_gives_503_and_cancels_decode(deploy):
     assert resp.json()["error"]["message"].startswith("prefill leg unreachable: ConnectError")
     # P refuses at once, often before D's leg is even sent; if D got it, it saw the hang-up.
     wait_until(lambda: dep.journal.seen("disconnect", "D0") == dep.journal.seen("connect", "D0"),
-               "D to see the router hang up")
+               "D to see the router hang up", WAIT_S)
 
 
 def test_decode_down_gives_503_and_cancels_prefill():
@@ -257,7 +248,7 @@ def test_decode_down_gives_503_and_cancels_prefill():
         assert resp.json()["error"]["message"].startswith("decode leg unreachable")
         # D refuses at once, often before P's leg is even sent; if P got it, it saw the hang-up.
         wait_until(lambda: journal.seen("disconnect", "P0") == journal.seen("connect", "P0"),
-                   "P to see the router hang up")
+                   "P to see the router hang up", WAIT_S)
     finally:
         router.stop()
         p_srv.stop()
@@ -320,7 +311,7 @@ def test_streaming_prefill_failure_cancels_decode(deploy):
     resp = dep.post({**BODY, "stream": True})
     assert resp.status_code == 502
     assert "prefill leg failed" in resp.json()["error"]["message"]
-    wait_until(lambda: dep.journal.seen("disconnect", "D0") == 1, "D to see the router hang up")
+    wait_until(lambda: dep.journal.seen("disconnect", "D0") == 1, "D to see the router hang up", WAIT_S)
 
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -1,12 +1,17 @@
 """The P/D shapes people deploy, on real NIXL, fork and stock D side by side.
 
 One run (`harness.shapes.run_matrix`): D engines of TP 1 and 2 (fork with memory
-tracing, stock) stay up; P engines of each shape (TP 1/2/4, PP 2, block size 64)
-start one after the other, and every D reaches each P by heartbeat first, then
-receives pushes. The stock D's NIXL calls are the ground truth for what a full
-D->P handshake prepares in that shape; the fork's own stats must report exactly that
-as saved, per rank and in total, and so must /metrics after aggregation across
-workers.
+tracing, stock) stay up; P engines of each shape (TP 1/2/4, PP 2, and a block size
+of 64 tokens against D's 32) start one after the other, and every D reaches each P
+by heartbeat first, then receives pushes. The stock D's NIXL calls are the ground
+truth for what a full D->P handshake prepares in that shape; the fork's own stats
+must report exactly that as saved, per rank and in total, and so must /metrics
+after aggregation across workers. Where the fork saves nothing, its handshake span
+says why, by the shape.
+
+vLLM 0.32's push mode moves no KV between different block sizes (docs/shapes.md),
+and a D whose engine loop a WRITE ended would serve no later case: in the block-size
+case nothing is pushed; its checks are the handshakes'.
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from connector.vocabulary import SPAN_HANDSHAKE, Attr, Phase
+from connector.vocabulary import SPAN_HANDSHAKE, Attr, NoSaving, Phase
 from harness.config import FORK, STOCK
 from harness.frontend import frontend_for
-from harness.shapes import MATRIX, CaseResult, run_matrix
+from harness.shapes import D_BLOCK_SIZE, MATRIX, CaseResult, run_matrix
 
 # The module's engines start once (fixture); on a loaded shared machine that alone can
 # exceed the suite's default per-test timeout.
@@ -28,12 +33,16 @@ pytestmark = [pytest.mark.real, pytest.mark.shapes, pytest.mark.timeout(1800)]
 
 
 def case_id(p_tp: int, p_pp: int, p_bs: int, d_tp: int) -> str:
-    return f"P{p_tp}{'pp' + str(p_pp) if p_pp > 1 else ''}{'bs' + str(p_bs) if p_bs != 32 else ''}-D{d_tp}"
+    pp = f"pp{p_pp}" if p_pp > 1 else ""
+    bs = f"bs{p_bs}" if p_bs != D_BLOCK_SIZE else ""
+    return f"P{p_tp}{pp}{bs}-D{d_tp}"
 
 
 CASES = [case_id(s.tp, s.pp, s.block_size, t) for s in MATRIX for t in s.d_tps]
-# Shapes where vLLM 0.32's push mode itself cannot move KV (see README "Shapes tested").
-BLOCKED: set[str] = set()
+# P's blocks larger than D's: vLLM moves no KV, nothing is pushed (module docstring).
+BLOCK_SIZE_CASES = [case_id(s.tp, s.pp, s.block_size, t) for s in MATRIX for t in s.d_tps
+                    if s.block_size != D_BLOCK_SIZE]
+PUSHED = [c for c in CASES if c not in BLOCK_SIZE_CASES]
 
 
 @dataclass
@@ -91,13 +100,12 @@ def _targets(res: CaseResult, d_rank: int) -> set[tuple[int, int]]:
     return set(itertools.product(range(p_pp), tps))
 
 
-@pytest.mark.parametrize("cid", CASES)
+@pytest.mark.parametrize("cid", PUSHED)
 def test_bytes_land_on_every_d_rank_from_the_right_p_ranks(matrix: dict[str, Case], cid: str) -> None:
-    if cid in BLOCKED:
-        pytest.skip("vLLM 0.32 push mode cannot move KV in this shape; see test_blocked_shape")
     case = _case(matrix, cid)
     for res in (case.fork, case.stock):
         assert res.error is None, res.error
+        assert res.pushed
         assert res.bytes_ok, (res.connector, res.per_d_rank, res.failed)
         for entry in res.per_d_rank:
             a, b = entry["heads"]
@@ -118,7 +126,7 @@ def test_every_d_to_p_handshake_is_notif_only_even_heartbeat_first(matrix: dict[
     assert not [c for rank in fork.calls for c in rank if c[0] == "prep_xfer_dlist"], fork.calls
 
 
-@pytest.mark.parametrize("cid", [c for c in CASES if c not in BLOCKED])
+@pytest.mark.parametrize("cid", PUSHED)
 def test_p_to_d_handshakes_stay_full(matrix: dict[str, Case], cid: str) -> None:
     case = _case(matrix, cid)
     for res in (case.fork, case.stock):
@@ -140,13 +148,54 @@ def test_saved_equals_what_stock_full_handshake_prepared(matrix: dict[str, Case]
                                          + stock["d_local_descriptors_prepared"])
 
 
-@pytest.mark.parametrize("cid", [c for c in CASES if "pp" not in c and c not in BLOCKED])
+@pytest.mark.parametrize("cid", [c for c in PUSHED if "pp" not in c])
 def test_stock_heartbeat_first_is_full_to_a_pp1_producer(matrix: dict[str, Case], cid: str) -> None:
     """The ground truth is real: stock prepared one remote list per target P rank."""
     stock = _case(matrix, cid).stock
     for d_rank, calls in enumerate(stock.calls):
         remote = [c for c in calls if c[0] == "prep_xfer_dlist" and c[1] != "NIXL_INIT_AGENT"]
         assert len(remote) == len(_targets(stock, d_rank)), calls
+
+
+@pytest.mark.parametrize("cid", BLOCK_SIZE_CASES)
+def test_block_size_mismatch_saves_nothing_says_why_and_stock_prepares_nothing(matrix: dict[str, Case],
+                                                                              cid: str) -> None:
+    """P 64 / D 32: a full D->P handshake cannot succeed (vLLM asserts on the block-size
+    ratio before preparing a list), so a notification-only one saves nothing, and says so."""
+    case = _case(matrix, cid)
+    fork, stock = case.fork, case.stock
+    for res in (fork, stock):
+        assert res.error is None, res.error
+        assert not res.pushed and res.failed == []
+    # Fork: connected notification-only from the heartbeat, 0 saved, and why on the span.
+    assert fork.connected == [True] * fork.shape["d_tp"]
+    assert [(h["notif_only"], h["outcome"]) for h in fork.d_to_p] == [(True, "success")] * fork.shape["d_tp"]
+    assert fork.saved("saved_descriptors") == fork.saved("saved_registrations") == [0] * fork.shape["d_tp"]
+    assert fork.failed_handshakes == 0
+    top = [s for rank in fork.spans for s in rank if s["name"] == SPAN_HANDSHAKE]
+    assert [s["attributes"].get(Attr.NOTHING_SAVED_BECAUSE) for s in top] == \
+        [NoSaving.BLOCK_SIZE_MISMATCH.value] * fork.shape["d_tp"], top
+    assert all(s["attributes"][Attr.DESCRIPTORS_SAVED] == 0 for s in top)
+    # Stock: its heartbeat-first (full) handshake reached NIXL, prepared no list, failed.
+    for calls in stock.calls:
+        assert [c for c in calls if c[0] == "prep_xfer_dlist"] == [], calls
+        assert any(c[0] == "add_remote_agent" for c in calls), calls
+    assert stock.connected == [False] * stock.shape["d_tp"]
+    assert stock.failed_handshakes >= stock.shape["d_tp"]
+
+
+@pytest.mark.parametrize("cid", CASES)
+def test_handshake_span_says_why_nothing_was_saved_by_shape(matrix: dict[str, Case], cid: str) -> None:
+    """The reason follows from the shape alone: a PP producer is never handshaked fully by
+    vLLM; a local block size that is not a multiple of P's cannot be; otherwise none."""
+    fork = _case(matrix, cid).fork
+    if fork.shape["p_pp"] > 1:
+        want = [NoSaving.PP_PRODUCER.value]
+    elif fork.shape["d_block_size"] % fork.shape["p_block_size"]:
+        want = [NoSaving.BLOCK_SIZE_MISMATCH.value]
+    else:
+        want = []
+    assert fork.nothing_saved_because == want, fork.spans
 
 
 @pytest.mark.parametrize("cid", CASES)

@@ -27,7 +27,7 @@ from connector.glue.connector import NixlPushConnector
 from connector.glue.scheduler import ObservedPushScheduler
 from connector.glue.side_channel import SideChannelClient
 from connector.telemetry.stats import ObservedNixlStats
-from demo.stack import wait_until
+from harness.poll import wait_until
 from harness.ports import free_port
 from tests.test_stats_and_prometheus import frontend
 
@@ -94,8 +94,7 @@ def test_stock_listener_dies_on_one_bad_request(frames, reason):
     try:
         assert stock.fetch() == PAYLOADS[(0, 0)]
         stock.send_raw(frames)
-        wait_until(lambda: not stock.thread.is_alive(), DEADLINE_S, "the stock listener thread to end",
-                   step_s=0.02)
+        wait_until(lambda: not stock.thread.is_alive(), "the stock listener thread to end", DEADLINE_S)
         with pytest.raises(Exception, match=r"unreachable|did not answer"):
             stock.fetch(timeout_ms=500)
     finally:
@@ -118,7 +117,7 @@ def test_supervised_listener_counts_each_bad_request_and_keeps_serving():
             expected[reason] = expected.get(reason, 0) + 1
             # Counted means the old socket is gone; a request sent before that could be
             # lost with it (a real handshake retries), one sent now reaches the new one.
-            wait_until(all_counted, DEADLINE_S, f"rejections {expected} (have {counted})", step_s=0.02)
+            wait_until(all_counted, f"rejections {expected}", DEADLINE_S, last=lambda: counted)
             assert ours.fetch() == PAYLOADS[(0, 0)]  # serving again, on the same port
         assert ours.thread.is_alive()
     finally:

@@ -10,7 +10,6 @@ the parent rule, tests/test_push_flow.py for the PUSH_REG interop.)
 from __future__ import annotations
 
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ from connector.vocabulary import (
 )
 from harness import PushHarness
 from harness.config import FORK, EngineSpec
+from harness.poll import wait_until
 from harness.runner import free_port
 
 pytestmark = pytest.mark.real
@@ -72,15 +72,15 @@ def leg(router_trace: str | None = None) -> Leg:
 def _wait_stats(h: PushHarness, engines: tuple[str, ...], done: Any, timeout_s: float = 60.0
                 ) -> dict[str, list[dict[str, Any]]]:
     stats: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def more() -> bool:
         for e in engines:
             stats[e] += h.stats(e)
-        if done(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"stats incomplete: {stats}")
-        time.sleep(0.2)
+        return done(stats)
+
+    wait_until(more, f"the stats of {', '.join(engines)} to be complete", timeout_s, interval_s=0.2,
+               last=lambda: stats)
+    return stats
 
 
 def _records(stats: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """The trust boundary: what an unauthenticated peer sends is bounded and never a label.
 
 Peers reach us through the side channel (D -> P metadata replies) and PUSH_REG
-notifications (D -> P over NIXL). Narrow tests of the bounds listed in the README's
-"Trust boundary" section; the PUSH_REG fuzz through real NIXL is elsewhere.
+notifications (D -> P over NIXL). Narrow tests of the bounds listed in
+docs/reliability.md, "Trust boundary"; the PUSH_REG fuzz through real NIXL is elsewhere.
 """
 
 from __future__ import annotations
