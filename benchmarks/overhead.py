@@ -8,20 +8,21 @@ Llama, `--enforce-eager`, P on core 0 and D on core 1) behind the project's rout
 takes a steady stream of requests (`--concurrency` clients, fresh prompts, no
 `traceparent`: the router makes the sampling decision). Over a window of `--seconds`,
 py-spy samples every process of both engines (API server, engine core, workers) while
-their threads' CPU is read from /proc. A sample counts for the connector when its
-stack holds a frame of the project's `connector/` package; each thread's share of such
-samples times that thread's CPU is the connector's CPU, and its sum over both engines
-divided by their CPU is the connector's share. The same is reported for frames of
-vLLM's own nixl connector modules (stock has no `connector/` frames: that is its
-figure, for scale) and of OpenTelemetry (any thread; overlaps the other two where
-they call it).
+their threads' CPU is read from /proc. A sample is the connector's when the innermost
+frame that belongs to the connector, to vLLM or to NIXL is the connector's (`OWNERS`:
+what the connector calls counts for it, vLLM's work below one of its overrides does
+not); each thread's share of such samples times that thread's CPU is the connector's
+CPU, and its sum over both engines divided by their CPU is the connector's share. Also
+reported: every sample with any `connector/` frame on its stack (an upper bound: the
+overrides wrap vLLM's loops), vLLM's own nixl connector modules (stock has no
+`connector/` frames: its figure, for scale), and OpenTelemetry (any thread).
 
 Modes: `off` (no endpoint anywhere), `traced` (router and engines export OTLP/gRPC to
 a local receiver, the SDK's default sampler: every request traced), `sampled` (the
 same with OTEL_TRACES_SAMPLER=parentbased_traceidratio, arg 0.1). Stock is vLLM's
 own connector built under the fork's two host settings (NIXL poll delay, CPU
 containment; `benchmarks/stock_connector.py`), so both run on the same footing.
-Needs py-spy (`pip install py-spy`, not a project dependency). Figures, not checks.
+Needs py-spy (a dev dependency). Figures, not checks.
 """
 
 from __future__ import annotations

@@ -341,7 +341,8 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
                       "NixlHandshakeLatencyP99High", "NixlHandshakeQueueWaitHigh", "NixlPushesFailing",
                       "NixlReceivesFailing", "NixlReceiveLatencyP99High",
                       "NixlHandshakeStuck", "NixlPushRegRejected",
-                      "NixlKvLeaseExpiredWhileWanted", "NixlHeartbeatsMatchNothing", "NixlPeerRestarted"}
+                      "NixlKvLeaseExpiredWhileWanted", "NixlHeartbeatsMatchNothing", "NixlPeerRestarted",
+                      "NixlRemotePrefillWaitingLong"}
     assert firing == alerts and quiet == alerts
 
 

@@ -153,6 +153,7 @@ HEADLINE_TRUTH: dict[tuple[str, str], tuple[tuple[str, ...], Truth]] = {
         (), _one(V.KV_LEASE_RENEWALS.series_names[0], outcome=V.LeaseRenewal.RENEWED.value)),
     ("Heartbeat ids matching nothing", "A"): (
         (), _one(V.KV_LEASE_RENEWALS.series_names[0], outcome=V.LeaseRenewal.UNKNOWN_REQUEST.value)),
+    ("Peers that restarted", "A"): ((), _one(V.PEER_RESTARTS.series_names[0])),
     ("KV leases expired while the decoder waited", "A"): (
         (), _one(V.KV_LEASE_EXPIRIES.series_names[0],
                  fate=(V.LeaseFate.WAITING.value, V.LeaseFate.REGISTERED.value))),
@@ -189,6 +190,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     if not prom.query(f'{series}{{job="{JOB}"}}')}
                 # The run's range starts here: Prometheus holds the idle counters already.
                 run_start, at_idle = time.time(), scrape_metrics(instances)
+                # Prometheus holds a sample of both inside the run's range before anything
+                # changes (else increase() over the range can see no change at all).
+                prom.wait_scraped_after(JOB, instances.values(), run_start)
 
                 report = h.push(N_PUSHES)
                 assert report.ok, report
@@ -282,6 +286,8 @@ CORE = {
     "Oldest KV lease (P) and oldest wait for KV (D)", "KV lease expiries/s by fate",
     "Heartbeat ids/s by what they matched (P)", "Heartbeats sent/s (D)",
     "Completion notifications after lease expiry/s",
+    # Peers: counters created at 0 at start-up.
+    "Peers that restarted", "Peer connections dropped/s", "Receives failed/s by reason (D)",
 }
 # Panels whose series are born at their first failure: empty in a healthy run.
 QUIET = {"Handshake failures/s by phase and error type"}
