@@ -204,13 +204,13 @@ def test_overflow_and_raising_exporter_counted_in_process() -> None:
     from opentelemetry.sdk.trace import TracerProvider
 
     from connector.telemetry import errors
-    from connector.telemetry.export_guard import counted_batch_processor, ledger
+    from connector.telemetry.export_guard import counting_batch_span_processor, ledger
     from harness.otlp_receiver import RaisingExporter
 
     reset_telemetry_errors()
     before = ledger()
     provider = TracerProvider()
-    provider.add_span_processor(counted_batch_processor(
+    provider.add_span_processor(counting_batch_span_processor(
         RaisingExporter(), max_queue_size=4, max_export_batch_size=4, schedule_delay_millis=60_000))
     tracer = provider.get_tracer("t")
     for _ in range(40):

@@ -177,7 +177,7 @@ class CountedBatchProcessor(SpanProcessor):
 _env_lock = threading.Lock()
 
 
-def counted_batch_processor(exporter: SpanExporter, **batch_settings: Any) -> CountedBatchProcessor:
+def counting_batch_span_processor(exporter: SpanExporter, **batch_settings: Any) -> CountedBatchProcessor:
     """The SDK's `BatchSpanProcessor` around `exporter`, with its losses counted.
 
     `batch_settings` are the processor's own keyword arguments (the `OTEL_BSP_*`

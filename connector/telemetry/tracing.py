@@ -152,14 +152,14 @@ def install_provider(exporter: Any) -> Any:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    from connector.telemetry.export_guard import counted_batch_processor
+    from connector.telemetry.export_guard import counting_batch_span_processor
 
     resource = Resource.create(
         {"service.name": os.environ.get("OTEL_SERVICE_NAME", "vllm"),
          "vllm.process_id": str(os.getpid())}
     )
     provider = TracerProvider(resource=resource, id_generator=PrivateRandomIdGenerator())
-    provider.add_span_processor(counted_batch_processor(exporter))
+    provider.add_span_processor(counting_batch_span_processor(exporter))
     trace.set_tracer_provider(provider)
     _own_provider = trace.get_tracer_provider()
     return _own_provider
