@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterable
@@ -51,6 +52,10 @@ class BenchRun:
         # Harness engines write their output here (a caller's HARNESS_LOG_DIR wins).
         self.logs = Path(os.environ.setdefault(LOG_DIR_ENV, str(self.dir / "engine-logs")))
         self.logs.mkdir(parents=True, exist_ok=True)
+        # Scratch space (model files, harness state), replaced by the next run.
+        self.work = self.dir / "work"
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir()
         self.say(f"{name}: {self.date}, commit {self.commit}, {os.cpu_count()} cores; "
                  f"output in {self.dir}, engine logs in {self.logs}")
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import secrets
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -58,7 +57,7 @@ def _one(h: PushHarness, prefill: str, prefill_s: float, forget: bool) -> float:
 
 
 def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
-    work = tempfile.mkdtemp(prefix="bench-first-")
+    work = str(bench.work)
     common = dict(num_layers=args.layers, num_kv_heads=1, workdir=work)
     # D's blocks are what P's full handshake prepares descriptors for; P's own cache is small.
     p_blocks = 4 * args.rounds + 16

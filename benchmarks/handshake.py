@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -101,7 +100,7 @@ def size_rounds(h: PushHarness, layers: int, blocks: int, rounds: int) -> dict[s
 
 
 def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
-    work = tempfile.mkdtemp(prefix="bench-handshake-")
+    work = str(bench.work)
     rows = []
     for layers, blocks in _sizes(args.sizes):  # one P per size: its cache is the big part
         t = time.monotonic()

@@ -13,13 +13,14 @@ renewals, prompt tokens that arrived as KV over NIXL, answers and their latencie
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import time
 from typing import Any
 
 from benchmarks.common import BenchRun
 from demo import drive, report
 from demo.stack import EngineOptions, Stack
-from harness.poll import wait_until
 
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
@@ -47,22 +48,19 @@ def one(connector: str, args: argparse.Namespace, bench: BenchRun) -> dict[str, 
                   decode=EngineOptions(kv={**lease, "kv_load_failure_policy": "recompute"},
                                        args=("--max-num-seqs", "1"), max_model_len=4096))
     with stack:
-        # D's speed, to size the request that keeps it busy.
-        probe = drive.Busy(stack.decode.url, 200)
-        with probe:
-            pass
-        rate = len(probe.tokens) / probe.seconds
-        busy_tokens = max(200, min(3500, int(rate * args.busy_leases * args.lease_s)))
         prompts = drive.make_prompts(args.requests, seed=31, lengths=(args.prompt_tokens,))
         before = _count(stack.decode, EXTERNAL[0], **EXTERNAL[1])
-        bench.say(f"{connector}: D busy with {busy_tokens} tokens (~{busy_tokens / rate:.0f} s), "
+        busy_s = args.busy_leases * args.lease_s
+        bench.say(f"{connector}: D busy for {busy_s:.0f} s with local requests, "
                   f"then {args.requests} requests through the router")
-        timeout = busy_tokens / rate + 4 * args.lease_s
-        with drive.KeepStepping(stack.prefill.url), drive.Busy(stack.decode.url, busy_tokens):
-            wait_until(lambda: _count(stack.decode, "vllm:num_requests_running") >= 1,
-                       "D to run its local request", 60, 0.1)
-            results = drive.concurrently(stack.router.url, prompts, prefix=f"{connector}-burst",
-                                         max_tokens=8, timeout_s=timeout)
+        with drive.KeepStepping(stack.prefill.url), contextlib.ExitStack() as local:
+            for seed in range(3):  # each cut short when D's busy spell ends
+                local.enter_context(drive.Busy(stack.decode.url, seed=seed, wait=seed == 0))
+            burst = [drive.InBackground(stack.router.url, prompt, f"{connector}-burst-{i:03d}", 8,
+                                        timeout_s=busy_s + 4 * args.lease_s)
+                     for i, prompt in enumerate(prompts)]
+            time.sleep(busy_s)  # the scenario: D's queue holds the burst this long
+        results = [(b.join(), b.seconds) for b in burst]
         p, d = report.samples(stack.prefill.metrics()), report.samples(stack.decode.metrics())
         answered = [o for o, _ in results if not o.error]
         out = {

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -84,7 +83,7 @@ def _ms(value: float | None) -> str:
 def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
     ms = [int(m) for m in args.producers.split(",")]
     cores = os.cpu_count() or 1
-    work = tempfile.mkdtemp(prefix="bench-producers-")
+    work = str(bench.work)
     t = time.monotonic()
     rows: list[dict[str, Any]] = []
     with PushHarness(_specs(max(ms), args.layers, args.blocks, work), ctx=rank_context(bench.logs)) as h:

@@ -10,12 +10,16 @@ the P leg's cached blocks, so it is computed independently.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import random
+import socket
 import threading
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +27,7 @@ from typing import Any
 from connector.router import legs
 from connector.router.config import PrefillTarget
 from demo.engines import SERVED_MODEL
+from harness.poll import wait_until
 
 VOCAB = 256
 
@@ -82,27 +87,52 @@ def disaggregated(router_url: str, prompt: list[int], request_id: str, max_token
     return out
 
 
+def _sse_tokens(lines: Iterable[bytes]) -> Iterator[list[int]]:
+    """The token ids of each SSE chunk of a `stream: true` completion."""
+    for raw in lines:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {chunk['error']}")
+        for choice in chunk.get("choices", []):
+            yield list(choice.get("token_ids") or [])
+
+
 def streamed(router_url: str, prompt: list[int], request_id: str, max_tokens: int) -> list[int]:
     """Token ids of a `stream: true` completion through the router (SSE chunks)."""
     req = urllib.request.Request(router_url + "/v1/completions",
                                  data=json.dumps(body(prompt, max_tokens, stream=True)).encode(),
                                  headers={"Content-Type": "application/json", "X-Request-Id": request_id})
-    tokens: list[int] = []
     with urllib.request.urlopen(req, timeout=180) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            for choice in chunk.get("choices", []):
-                tokens += choice.get("token_ids") or []
-    return tokens
+        return [t for chunk in _sse_tokens(resp) for t in chunk]
 
 
 def reference(engine_url: str, prompt: list[int], max_tokens: int, salt: str) -> list[int]:
     return tokens_of(_post(engine_url + "/v1/completions", body(prompt, max_tokens, cache_salt=salt), {}))
+
+
+class InBackground:
+    """One request through the router on a thread; `.outcome` and `.seconds` once joined."""
+
+    def __init__(self, router_url: str, prompt: list[int], request_id: str, max_tokens: int,
+                 timeout_s: float = 600):
+        self.prompt, self.seconds = prompt, 0.0
+        self.outcome: Outcome | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        args=(router_url, request_id, max_tokens, timeout_s))
+        self._thread.start()
+
+    def _run(self, url: str, request_id: str, max_tokens: int, timeout_s: float) -> None:
+        started = time.monotonic()
+        self.outcome = disaggregated(url, self.prompt, request_id, max_tokens, timeout_s)
+        self.seconds = time.monotonic() - started
+
+    def join(self) -> Outcome:
+        self._thread.join()
+        assert self.outcome is not None
+        return self.outcome
 
 
 def run(router_url: str, reference_url: str, prompts: list[list[int]], *, prefix: str, max_tokens: int,
@@ -122,36 +152,74 @@ def run(router_url: str, reference_url: str, prompts: list[list[int]], *, prefix
 
 
 # ------------------------------------------------------------ lease scenarios
-def local(engine_url: str, prompt: list[int], max_tokens: int, timeout_s: float = 600) -> list[int]:
-    """A plain completion on one engine (no KV transfer), all `max_tokens` generated."""
-    return tokens_of(_post(engine_url + "/v1/completions",
-                           body(prompt, max_tokens, ignore_eos=True), {}, timeout_s=timeout_s))
-
-
 class Busy:
     """A long local request keeps an engine's run slots full while the block runs
-    (with `--max-num-seqs 1`, every request behind it waits in the engine's queue)."""
+    (with `--max-num-seqs 1`, every request behind it waits in the engine's queue).
 
-    def __init__(self, engine_url: str, max_tokens: int, seed: int = 5):
+    The request is streamed: entering returns once its first token came, so it really
+    runs (unless `wait=False`, for a request queued behind another), and leaving closes
+    the stream, which makes vLLM abort what is left of it. Tests therefore end the busy
+    spell on a condition, not on a token count sized from a measured speed.
+    """
+
+    def __init__(self, engine_url: str, max_tokens: int = 4000, seed: int = 5, *, wait: bool = True,
+                 wait_s: float = 120.0):
         self._args = (engine_url, make_prompts(1, seed=seed)[0][:30], max_tokens)
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._running, self._ended, self._stop = threading.Event(), threading.Event(), threading.Event()
+        self._wait_s = wait_s if wait else 0.0
+        self._conn: http.client.HTTPConnection | None = None
         self.tokens: list[int] = []
         self.error = ""
-        self.seconds = 0.0  # how long the request took
+        self.seconds = 0.0  # from its first token to its last
 
     def _run(self) -> None:
-        started = time.monotonic()
+        url, prompt, max_tokens = self._args
+        parts = urllib.parse.urlsplit(url)
+        first = 0.0
         try:
-            self.tokens = local(*self._args)
+            self._conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+            self._conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                               body=json.dumps(body(prompt, max_tokens, ignore_eos=True, stream=True)))
+            resp = self._conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+            for chunk in _sse_tokens(resp):
+                if self._stop.is_set():
+                    break  # left before the connection was there to cut
+                if not self._running.is_set():
+                    first = time.monotonic()
+                    self._running.set()
+                self.tokens += chunk
+                self.seconds = time.monotonic() - first
         except Exception as exc:  # reported, not raised in the thread
-            self.error = f"{type(exc).__name__}: {exc}"
-        self.seconds = time.monotonic() - started
+            if not self._stop.is_set():
+                self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._ended.set()
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The engine's decode speed while it ran this request alone."""
+        return (len(self.tokens) - 1) / self.seconds if self.seconds else 0.0
 
     def __enter__(self) -> Busy:
         self._thread.start()
+        if self._wait_s:
+            wait_until(lambda: self._running.is_set() or self._ended.is_set(),
+                       f"the local request on {self._args[0]} to stream its first token", self._wait_s)
+            if not self._running.is_set():
+                raise RuntimeError(f"the local request on {self._args[0]} did not run: {self.error}")
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Cut the request short, queued or running: the engine sees the client go and
+        aborts it."""
+        self._stop.set()
+        sock = self._conn.sock if self._conn is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self._thread.join()
 
 

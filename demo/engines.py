@@ -80,8 +80,9 @@ class Process:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM the leader, wait, then SIGKILL whatever is left of its session."""
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the leader, wait, then SIGKILL whatever is left of its session. (vLLM
+        stops in a few seconds; one holding requests that wait for KV can take minutes.)"""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -219,6 +220,9 @@ class VllmServer(Process):
                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
                "OTEL_SERVICE_NAME": f"vllm-{name}",
+               # The API server shares its engine's one core: while the engine decodes flat
+               # out, an export can take longer than the exporter's default 10 s budget.
+               "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "30",
                "PYTHONPATH": os.pathsep.join([str(REPO), str(shim)])}
         if host is not None:
             # Separate hosts move KV over the network: UCX's TCP transport, not the

@@ -7,6 +7,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import secrets
+import shutil
 import signal
 import statistics
 import tempfile
@@ -146,6 +147,7 @@ class PushHarness:
         self.engines: dict[str, EngineHandle] = {}
         self._seed = 0
         self._written: dict[str, list[int]] = {}
+        self.scratch: str | None = None  # a work directory made for this harness, removed on stop
 
     @classmethod
     def pd(cls, *, connector: str = FORK, prefill_connector: str | None = None,
@@ -164,7 +166,7 @@ class PushHarness:
         common = dict(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
                       extra_config=dict(extra_config or {}), workdir=work)
         run = secrets.token_hex(3)
-        return cls([
+        harness = cls([
             EngineSpec(name="P", engine_id=f"prefill-{run}", kv_role=roles[0],
                        side_channel_port=free_port(), connector=prefill_connector or connector,
                        tracing=prefill_tracing or tracing, **common),
@@ -172,6 +174,8 @@ class PushHarness:
                        side_channel_port=free_port(), connector=decode_connector or connector,
                        tracing=decode_tracing or tracing, **common),
         ], ctx)
+        harness.scratch = None if workdir else work
+        return harness
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> PushHarness:
@@ -216,6 +220,8 @@ class PushHarness:
                 handle.request_stop()
             for handle in group:
                 handle.finish_stop()
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def __enter__(self) -> PushHarness:
         return self.start()

@@ -4,9 +4,10 @@ One fork deployment (the demo's `Stack`: router, P and D, OTLP receiver, Prometh
 shared by the fork tests; where this machine can make network namespaces (root), P, D
 and the router with Prometheus each run on a host of their own, and the last fork
 test restarts P's host. Then one stock deployment of the same shape is the control.
-Both run with a short KV lease (9 s: heartbeats every second, each extending a lease
-by 6 s) and D serving one sequence at a time, so a request queued behind D's work
-waits longer than a lease.
+Both run with a short KV lease (6 s: heartbeats every second, each extending a lease
+by 4 s) and D serving one sequence at a time, so a request queued behind D's work
+waits longer than a lease. D's work is a streamed local request that the test cuts
+short once what it waits for has happened.
 
 Requests carry a traceparent the test made, so the test knows each request's trace.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,7 +54,7 @@ from harness.poll import wait_until
 pytestmark = [pytest.mark.real, pytest.mark.prometheus, pytest.mark.serve, pytest.mark.timeout(1200)]
 
 MAX_TOKENS = 6
-LEASE_S = 9
+LEASE_S = 6
 SPAN_WAIT_S = 60.0
 HOSTS = unavailable_reason() is None
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's own count of released leases
@@ -96,14 +96,20 @@ def external_tokens(stack: Stack) -> float:
     return count(stack.decode, EXTERNAL[0], **EXTERNAL[1])
 
 
+def renewals(server: Any) -> float:
+    return count(server, KV_LEASE_RENEWALS.name + "_total", outcome="renewed")
+
+
 @contextlib.contextmanager
-def busy(server: Any, tokens: int) -> Iterator[drive.Busy]:
-    """`server` runs a long local request for the block; entered once it really runs (with
-    --max-num-seqs 1, every request that arrives meanwhile waits in its queue)."""
-    with drive.Busy(server.url, tokens) as b:
-        wait_until(lambda: count(server, "vllm:num_requests_running") >= 1,
-                   f"{server.name} to run the local request", 60, 0.1)
-        yield b
+def busy(server: Any, requests: int = 1) -> Iterator[None]:
+    """`server` runs long local requests for the block, the first already running when
+    it starts (with --max-num-seqs 1, every request that arrives meanwhile waits in its
+    queue); leaving the block cuts them short."""
+    with contextlib.ExitStack() as local:
+        local.enter_context(drive.Busy(server.url))
+        for seed in range(1, requests):
+            local.enter_context(drive.Busy(server.url, seed=5 + seed, wait=False))
+        yield
 
 
 def d_to_p(stack: Stack) -> list[dict[str, Any]]:
@@ -116,10 +122,12 @@ def test_first_d_to_p_handshake_is_heartbeat_triggered_and_notification_only(sta
     scheduler heartbeats P for it, and that heartbeat starts D's first handshake to P
     (upstream makes it a full one). Ours is notification-only, phase by phase."""
     prompt = drive.make_prompts(1, seed=21)[0]
-    with busy(stack.decode, 300) as local:
-        first = drive.disaggregated(stack.router.url, prompt, "e2e-first", MAX_TOKENS)
-    FACTS["decode_tokens_per_s"] = len(local.tokens) / local.seconds
-    assert not first.error and not local.error, (first.error, local.error)
+    with busy(stack.decode):
+        request = drive.InBackground(stack.router.url, prompt, "e2e-first", MAX_TOKENS)
+        wait_until(lambda: count(stack.decode, HEARTBEATS.name + "_total", outcome="sent") >= 1,
+                   "D to heartbeat P for the queued request", 60, 0.25)
+    first = request.join()
+    assert not first.error, first.error
     assert first.tokens == drive.reference(stack.prefill.url, prompt, MAX_TOKENS, salt="ref-e2e-first")
     d = metric(stack.decode)
     hs = HANDSHAKES.name + "_total"
@@ -180,20 +188,20 @@ def test_streamed_completion_through_the_router_equals_the_reference(stack: Stac
 
 
 # ------------------------------------------------------------------ KV leases
-def busy_tokens(seconds: float) -> int:
-    """Tokens that keep D busy about `seconds`, from D's speed in the headline test."""
-    rate = FACTS.get("decode_tokens_per_s", 100.0)
-    return max(200, min(3500, int(rate * seconds)))
-
-
 def test_requests_queued_longer_than_the_lease_keep_their_kv(stack: Stack) -> None:
     """A burst arrives while D is busy for longer than P's lease: D's heartbeats renew
     the leases (upstream they renew nothing), no lease expires, every request's KV
     arrives over NIXL and the outputs equal the reference."""
     prompts = drive.make_prompts(3, seed=31, lengths=(100,))
-    expired, external = count(stack.prefill, EXPIRED), external_tokens(stack)
-    with drive.KeepStepping(stack.prefill.url), busy(stack.decode, busy_tokens(3 * LEASE_S)):
-        results = drive.concurrently(stack.router.url, prompts, prefix="e2e-burst", max_tokens=MAX_TOKENS)
+    expired, external, before = count(stack.prefill, EXPIRED), external_tokens(stack), renewals(stack.prefill)
+    with drive.KeepStepping(stack.prefill.url), busy(stack.decode, requests=2):
+        burst = [drive.InBackground(stack.router.url, prompt, f"e2e-burst-{i:03d}", MAX_TOKENS)
+                 for i, prompt in enumerate(prompts)]
+        # One renewal per queued request and heartbeat (every second): once there are
+        # this many, the requests have waited past their first lease on average.
+        wait_until(lambda: renewals(stack.prefill) - before >= len(prompts) * (LEASE_S + 3),
+                   "D's heartbeats to keep the queued requests' leases for longer than a lease", 120, 0.25)
+    results = [(b.join(), b.seconds) for b in burst]
     latencies = [t for _, t in results]
     assert min(latencies) > LEASE_S, latencies  # (the scenario: each waited longer than a lease)
     for (o, _), prompt in zip(results, prompts, strict=True):
@@ -322,17 +330,15 @@ def test_prefill_restart_fails_the_caught_request_fast_and_new_requests_work(sta
     over NIXL from the new P."""
     caught_prompt = drive.make_prompts(1, seed=51)[0]
     resets = count(stack.decode, PEER_RESETS.name + "_total")
-    with busy(stack.decode, busy_tokens(2 * LEASE_S)):
-        results: list[Any] = []
-        caught = threading.Thread(target=lambda: results.append(drive.disaggregated(
-            stack.router.url, caught_prompt, "e2e-caught", MAX_TOKENS, timeout_s=300)))
-        caught.start()
+    sent = count(stack.decode, HEARTBEATS.name + "_total", outcome="sent")
+    with busy(stack.decode):
+        caught = drive.InBackground(stack.router.url, caught_prompt, "e2e-caught", MAX_TOKENS, timeout_s=300)
+        # (P's own metrics move only when P steps; an idle P's renewals show on its next step.)
         wait_until(lambda: count(stack.prefill, KV_LEASES_HELD.name) >= 1
-                   and count(stack.decode, "vllm:num_requests_waiting") >= 1,
-                   "P to hold the request's KV while it waits in D's queue", 60, 0.25)
+                   and count(stack.decode, HEARTBEATS.name + "_total", outcome="sent") > sent,
+                   "P to hold the request's KV while D heartbeats it from its queue", 60, 0.25)
         new_p = stack.restart_prefill()
-        caught.join()
-    [out] = results
+    out = caught.join()
     assert not out.error, out.error
     assert out.tokens == drive.reference(new_p.url, caught_prompt, MAX_TOKENS, salt="ref-e2e-caught")
     assert count(stack.decode, PEER_RESETS.name + "_total") > resets
@@ -366,10 +372,9 @@ def test_stock_prepares_for_its_heartbeat_handshake_the_descriptors_the_fork_sav
     reported saved."""
     prompt = drive.make_prompts(1, seed=21)[0]
     pattern = re.compile(r"Created (\d+) blocks for dst engine prefill-0")
-    with busy(stock.decode, 60):
+    with busy(stock.decode):
         # (Not waited for: on stock, a request queued longer than the lease loses its KV.)
-        threading.Thread(target=drive.disaggregated, daemon=True,
-                         args=(stock.router.url, prompt, "stock-first", MAX_TOKENS, 2 * LEASE_S)).start()
+        drive.InBackground(stock.router.url, prompt, "stock-first", MAX_TOKENS, timeout_s=2 * LEASE_S)
         log = wait_until(lambda: (text := stock.decode.log()) and pattern.search(text) and text,
                          f"stock D to log its full handshake ('{NIXL_WORKER_LOGGER}' at DEBUG)", 120, 0.5)
     assert "Transfer plan" in log
@@ -382,9 +387,10 @@ def test_stock_prepares_for_its_heartbeat_handshake_the_descriptors_the_fork_sav
 def test_stock_lets_queued_requests_lose_their_kv(stock: Stack) -> None:
     """The same burst on stock vLLM: the heartbeats renew nothing, P releases the KV of the
     queued requests (vLLM's own expiry count rises) and they wait on D (cut short here)."""
-    prompts = drive.make_prompts(2, seed=31, lengths=(100,))
-    busy_s = 2.5 * LEASE_S
-    with drive.KeepStepping(stock.prefill.url), busy(stock.decode, busy_tokens(busy_s)):
-        drive.concurrently(stock.router.url, prompts, prefix="stock-burst", max_tokens=MAX_TOKENS,
-                           timeout_s=busy_s + 2 * LEASE_S)
-    assert count(stock.prefill, EXPIRED) >= 1
+    prompt = drive.make_prompts(1, seed=31, lengths=(100,))[0]
+    expired = count(stock.prefill, EXPIRED)
+    with drive.KeepStepping(stock.prefill.url), busy(stock.decode, requests=2):
+        # (Not waited for: it waits on D for KV that P released.)
+        drive.InBackground(stock.router.url, prompt, "stock-burst", MAX_TOKENS, timeout_s=2 * LEASE_S)
+        wait_until(lambda: count(stock.prefill, EXPIRED) > expired,
+                   "stock P to release the KV of the request queued on D", 120, 0.5)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -79,25 +78,6 @@ def total(spec: Any) -> str:
     return spec.name + "_total"
 
 
-class InBackground:
-    """One request through the router on a thread; `.outcome` and `.seconds` once joined."""
-
-    def __init__(self, stack: Stack, prompt: list[int], request_id: str):
-        self.prompt, self.outcome, self.seconds = prompt, None, 0.0
-        self._thread = threading.Thread(target=self._run, args=(stack.router.url, request_id), daemon=True)
-        self._thread.start()
-
-    def _run(self, url: str, request_id: str) -> None:
-        started = time.monotonic()
-        self.outcome = drive.disaggregated(url, self.prompt, request_id, MAX_TOKENS, timeout_s=600)
-        self.seconds = time.monotonic() - started
-
-    def join(self) -> drive.Outcome:
-        self._thread.join()
-        assert self.outcome is not None
-        return self.outcome
-
-
 def test_partition_during_the_first_handshake_is_ridden_out_by_its_retries(stack: Stack) -> None:
     """The path between P and D is cut when the first request arrives: D's D->P
     handshake fails (timeout or unreachable), is retried with backoff, and succeeds once
@@ -106,7 +86,7 @@ def test_partition_during_the_first_handshake_is_ridden_out_by_its_retries(stack
     prompt = drive.make_prompts(1, seed=71)[0]
     net.partition("prefill", "decode")
     try:
-        request = InBackground(stack, prompt, "faults-first")
+        request = drive.InBackground(stack.router.url, prompt, "faults-first", MAX_TOKENS)
         wait_until(lambda: count(stack.decode, total(HANDSHAKE_PHASE_FAILURES), phase="metadata_fetch") >= 1,
                    "D's first handshake attempt to fail", BUDGET_S, 0.25)
     finally:
@@ -136,7 +116,7 @@ def test_partition_while_a_request_waits_releases_it_when_the_path_is_back(stack
     rejected = report.total(p, total(PUSH_REG_REJECTED), reason="after_lease_expired")
     net.partition("prefill", "decode")
     try:
-        request = InBackground(stack, prompt, "faults-wait")
+        request = drive.InBackground(stack.router.url, prompt, "faults-wait", MAX_TOKENS)
         wait_until(lambda: count(stack.prefill, total(KV_LEASE_EXPIRIES), fate="unclaimed") > unclaimed,
                    "P's lease for the request to expire", 3 * LEASE_S, 0.5)
         healed_at = time.monotonic()
@@ -154,17 +134,15 @@ def test_partition_while_a_request_waits_releases_it_when_the_path_is_back(stack
 
 
 @contextlib.contextmanager
-def queued_on_d(stack: Stack, prompt: list[int], request_id: str) -> Iterator[InBackground]:
+def queued_on_d(stack: Stack, prompt: list[int], request_id: str) -> Iterator[drive.InBackground]:
     """A request waiting in D's queue behind local requests (heartbeating P), its KV held
-    on P, for the block. (D answers `/metrics` slowly while it generates flat out on its
-    one core, so D is kept busy for tens of seconds and P's metrics are watched.)"""
+    on P, for the block; leaving it cuts the local requests short. (D answers `/metrics`
+    slowly while it generates flat out on its one core, so P's metrics are watched.)"""
     renewed = count(stack.prefill, total(KV_LEASE_RENEWALS), outcome="renewed")
     with contextlib.ExitStack() as busy:
         for seed in range(BUSY_REQUESTS):
-            busy.enter_context(drive.Busy(stack.decode.url, BUSY_TOKENS, seed=seed))
-        wait_until(lambda: count(stack.decode, "vllm:num_requests_running") >= 1,
-                   "D to run its local requests", 60, 0.1)
-        request = InBackground(stack, prompt, request_id)
+            busy.enter_context(drive.Busy(stack.decode.url, BUSY_TOKENS, seed=seed, wait=seed == 0))
+        request = drive.InBackground(stack.router.url, prompt, request_id, MAX_TOKENS)
         wait_until(lambda: count(stack.prefill, KV_LEASES_HELD.name) >= 1
                    and count(stack.prefill, total(KV_LEASE_RENEWALS), outcome="renewed") > renewed,
                    "P to hold the request's KV while D heartbeats it from its queue", 60, 0.25)

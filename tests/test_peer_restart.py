@@ -184,7 +184,11 @@ def test_registration_no_request_of_prefill_matches_is_answered_and_never_writte
         h["D"].call("register", d_id, d_blocks, h["P"].address, p_id, False)
         wait_until(lambda: d_id in h["D"].call("results")["failed_recving"],
                    "D to fail a receive no prefill request matched", timeout_s=unmatched_s * 10)
-        assert p_stats.values(StatKey.PUSH_REG_REJECTED) == Counter({PushRegRejection.UNMATCHED.value: 1})
+        # (P counts the rejection before it answers; its stats reach the harness on its next step.)
+        unmatched = Counter({PushRegRejection.UNMATCHED.value: 1})
+        wait_until(lambda: p_stats.values(StatKey.PUSH_REG_REJECTED) == unmatched,
+                   "P to count the PUSH_REG it could not match",
+                   last=lambda: p_stats.values(StatKey.PUSH_REG_REJECTED))
         wait_until(lambda: d_stats.values(StatKey.RECEIVE_FAILURES)[ReceiveFailure.NO_PREFILL.value] == 1,
                    "D to count it", last=lambda: d_stats.values(StatKey.RECEIVE_FAILURES))
         # The prefill turns up after all: P keeps it for its lease and writes nothing.
