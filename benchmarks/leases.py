@@ -1,13 +1,14 @@
 """Do requests queued on a decoder keep their KV? A burst on real `vllm serve`, fork vs stock.
 
 The deployment of `make demo` with a short KV lease on both engines (`--lease-s`) and a
-decoder that serves one sequence at a time: a long local request keeps D busy for
-`--busy-leases` leases while a burst of disaggregated requests arrives through the
-router; P is kept stepping by small requests of its own (as a production prefill is).
-The requests wait in D's queue longer than P's lease. D's heartbeats renew the leases
-on the fork; upstream they renew nothing and P releases the KV. Printed per connector:
-P's lease expiries (vLLM's own `vllm:nixl_num_kv_expired_reqs` and ours by fate),
-renewals, prompt tokens that arrived as KV over NIXL, answers and their latencies.
+decoder that serves one sequence at a time: long local requests keep D busy for
+`--busy-leases` leases (then they are cut short) while a burst of disaggregated
+requests arrives through the router; P is kept stepping by small requests of its own
+(as a production prefill is). The requests wait in D's queue longer than P's lease.
+D's heartbeats renew the leases on the fork; upstream they renew nothing and P
+releases the KV. Printed per connector: P's lease expiries (vLLM's own
+`vllm:nixl_num_kv_expired_reqs` and ours by fate), renewals, prompt tokens that
+arrived as KV over NIXL, answers and their latencies.
 """
 
 from __future__ import annotations

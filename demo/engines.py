@@ -80,7 +80,7 @@ class Process:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM the leader, wait, then SIGKILL whatever is left of its session. (vLLM
         stops in a few seconds; one holding requests that wait for KV can take minutes.)"""
         if self.process.poll() is None:
@@ -268,7 +268,8 @@ class VllmServer(Process):
         else:
             path, headers = "/metrics/", {"Accept": "application/openmetrics-text; version=1.0.0"}
         req = urllib.request.Request(self.url + path, headers=headers)
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        # (An engine busy on its one core can take seconds to render it.)
+        with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.read().decode()
 
     def log(self) -> str:

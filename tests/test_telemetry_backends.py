@@ -33,7 +33,7 @@ from tests.support.telemetry import reset_telemetry_errors
 
 QUEUE = 16
 BATCH = 8
-HOLD_S = 3.0  # every back-end takes this long over every export attempt
+HOLD_S = 2.0  # every back-end takes this long over every export attempt
 # The exporter's budget per export, its retries included: a slow back-end's 200 comes
 # within it; a refusing one's 503 is retried once and then cut short by it.
 EXPORT_TIMEOUT_S = 2 * HOLD_S

@@ -44,7 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"router: {exc}", file=sys.stderr)
         return 2
+    import logging
+
     import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from connector.router.app import build_app
     from connector.router.tracing import RouterTracing

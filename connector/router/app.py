@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from connector.router.tracing import TRACE_HEADERS, RouterTracing
 from connector.vocabulary import SPAN_ROUTER_REQUEST, RouterAttr, RouterLeg, router_leg_span_name
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+_LOG = logging.getLogger("connector.router")
 
 
 @dataclass
@@ -52,7 +54,9 @@ class LegResult:
         return "" if self.ok else (self.error.split(":", 1)[0] if self.error else "http_error")
 
     def failure(self) -> Response:
-        """The response the client gets for this failed leg."""
+        """The response the client gets for this failed leg (also logged: the client's
+        error body is all a user would otherwise have)."""
+        _LOG.warning("%s leg failed: %s", self.leg.value, self.error or f"HTTP {self.status}")
         if self.error:
             return _error(503, f"{self.leg.value} leg unreachable: {self.error}", "upstream_unavailable")
         if 400 <= self.status < 500:
@@ -67,6 +71,7 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
 
 def _sse_error(message: str) -> bytes:
     """An error event in the stream (headers are already sent, so no status code can change)."""
+    _LOG.warning("%s", message)
     return f"data: {json.dumps(legs.error_body(502, message, 'upstream_error'))}\n\n".encode()
 
 
