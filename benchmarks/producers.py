@@ -16,6 +16,11 @@ them. Per M and decoder, medians over rounds:
   call (all their threads, read from /proc), divided by M; and the floor this sets
   on this machine: that CPU spread over all its cores. When "all done" is near the
   floor the handshakes are CPU-bound here, not queued.
+
+All engines share one machine, so a handshake waits for nothing but CPU; a second
+pass (`--late-ms`) has every producer answer its side channel that late (the round
+trip to another host, or a producer whose busy engine keeps its listener waiting),
+the regime where handshakes queued one after the other add up.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=2, help="each producer's layers")
     ap.add_argument("--blocks", type=int, default=64, help="each producer's blocks per layer")
+    ap.add_argument("--late-ms", type=float, default=20.0,
+                    help="a second pass with every producer's side channel answering this late "
+                         "(0: no second pass)")
 
 
 def _specs(n: int, layers: int, blocks: int, work: str) -> list[EngineSpec]:
@@ -76,12 +84,9 @@ def _median(values: list[Any]) -> float | None:
     return statistics.median(got) if got else None
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:.1f}"
-
-
 def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
     ms = [int(m) for m in args.producers.split(",")]
+    lates = [0.0, args.late_ms] if args.late_ms else [0.0]
     cores = os.cpu_count() or 1
     work = str(bench.work)
     t = time.monotonic()
@@ -94,74 +99,91 @@ def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
             for target in all_targets:
                 h[name].call("forget", target["engine_id"])
         bench.say("warm-up handshakes done")
-        for m in ms:
-            t = time.monotonic()
-            rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in DECODERS}
-            queue_wait: list[float] = []
-            for i in range(args.rounds):
-                for name in ("F", "S") if i % 2 == 0 else ("S", "F"):
-                    if name == "F":
-                        h.stats("F")  # (records of earlier rounds)
-                    rounds[name].append(_round(h, name, m))
-                    if name == "F":
-                        records = handshake_records(h, "F", m)
-                        queue_wait.append(max(r["phases"].get("queue_wait", 0.0) for r in records))
-            for name, connector in DECODERS.items():
-                got = rounds[name]
-                cpu = _median([r["cpu_s"] for r in got]) or 0.0
-                row = {"producers": m, "connector": connector,
-                       "all_done_ms": _median([r["all_done_s"] for r in got]) * 1e3,
-                       "max_queue_wait_ms": (statistics.median(queue_wait) * 1e3
-                                             if name == "F" else None),
-                       "max_executor_wait_ms": (None if (w := _median([r["max_executor_wait_s"]
-                                                                       for r in got])) is None
-                                                else w * 1e3),
-                       "executor_jobs": max(r["executor_jobs"] for r in got),
-                       "max_running": max(r["max_running"] for r in got),
-                       "cpu_ms_per_handshake": cpu / m * 1e3,
-                       "cpu_floor_ms": cpu / cores * 1e3}
-                rows.append(row)
-            fork, stock = rows[-2], rows[-1]
-            bench.say(f"M={m}: all done fork {fork['all_done_ms']:.1f} ms, stock "
-                      f"{stock['all_done_ms']:.1f} ms ({args.rounds} rounds, {time.monotonic() - t:.1f} s)")
+        for late in lates:
+            if late:
+                for i in range(max(ms)):
+                    h[f"P{i}"].call("answer_side_channel_late", late)
+            for m in ms:
+                t = time.monotonic()
+                rows += _measure(h, m, args.rounds, cores, late)
+                fork, stock = rows[-2], rows[-1]
+                bench.say(f"side channel +{late:g} ms, M={m}: all done fork {fork['all_done_ms']:.1f} ms, "
+                          f"stock {stock['all_done_ms']:.1f} ms ({args.rounds} rounds, "
+                          f"{time.monotonic() - t:.1f} s)")
     _print(rows, args.rounds, cores)
     return {"rounds": args.rounds, "cores": cores, "layers": args.layers, "blocks": args.blocks,
             "rows": rows}
 
 
+def _measure(h: PushHarness, m: int, n_rounds: int, cores: int, late: float) -> list[dict[str, Any]]:
+    """Both decoders with the first `m` producers, alternating order: one row per connector."""
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in DECODERS}
+    queue_wait: list[float] = []
+    for i in range(n_rounds):
+        for name in ("F", "S") if i % 2 == 0 else ("S", "F"):
+            if name == "F":
+                h.stats("F")  # (records of earlier rounds)
+            rounds[name].append(_round(h, name, m))
+            if name == "F":
+                records = handshake_records(h, "F", m)
+                queue_wait.append(max(r["phases"].get("queue_wait", 0.0) for r in records))
+    rows = []
+    for name, connector in DECODERS.items():
+        got = rounds[name]
+        cpu = _median([r["cpu_s"] for r in got]) or 0.0
+        wait = _median([r["max_executor_wait_s"] for r in got])
+        rows.append({"late_ms": late, "producers": m, "connector": connector,
+                     "all_done_ms": _median([r["all_done_s"] for r in got]) * 1e3,
+                     "max_queue_wait_ms": statistics.median(queue_wait) * 1e3 if name == "F" else None,
+                     "max_executor_wait_ms": None if wait is None else wait * 1e3,
+                     "executor_jobs": max(r["executor_jobs"] for r in got),
+                     "max_running": max(r["max_running"] for r in got),
+                     "cpu_ms_per_handshake": cpu / m * 1e3,
+                     "cpu_floor_ms": cpu / cores * 1e3})
+    return rows
+
+
 def _print(rows: list[dict[str, Any]], rounds: int, cores: int) -> None:
     print(f"\nOne decoder, M producers at once, medians of {rounds} rounds "
           f"(queue wait: fork's record / harness's executor clock; CPU: decoder + M producers)")
-    print(f"{'M':>3} {'connector':<9} {'all done ms':>11} {'largest queue wait ms':>22} {'ran at once':>11} "
-          f"{'CPU ms/handshake':>16} {f'{cores}-core floor ms':>17}")
+    print(f"{'late ms':>7} {'M':>3} {'connector':<9} {'all done ms':>11} {'largest queue wait ms':>22} "
+          f"{'ran at once':>11} {'CPU ms/handshake':>16} {f'{cores}-core floor ms':>17}")
     for r in rows:
-        wait = (f"{'-' if r['max_queue_wait_ms'] is None else format(r['max_queue_wait_ms'], '.1f')} / "
-                f"{'-' if r['max_executor_wait_ms'] is None else format(r['max_executor_wait_ms'], '.1f')}")
-        print(f"{r['producers']:>3} {r['connector']:<9} {r['all_done_ms']:>11.1f} {wait:>22} "
-              f"{r['max_running'] or '-':>11} {r['cpu_ms_per_handshake']:>16.1f} {r['cpu_floor_ms']:>17.1f}")
+        wait = f"{_ms_or_dash(r['max_queue_wait_ms'])} / {_ms_or_dash(r['max_executor_wait_ms'])}"
+        print(f"{r['late_ms']:>7g} {r['producers']:>3} {r['connector']:<9} {r['all_done_ms']:>11.1f} "
+              f"{wait:>22} {r['max_running'] or '-':>11} {r['cpu_ms_per_handshake']:>16.1f} "
+              f"{r['cpu_floor_ms']:>17.1f}")
     if any(r["executor_jobs"] == 0 for r in rows):
         print("  (-: no job seen on the worker's handshake executor; that worker runs handshakes elsewhere)")
 
 
+def _ms_or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def chart(result: dict[str, Any], path: Path) -> None:
     pyplot = plt()
-    fig, ax = pyplot.subplots(figsize=(7, 4))
+    lates = sorted({r["late_ms"] for r in result["rows"]})
+    fig, axes = pyplot.subplots(1, len(lates), figsize=(6 * len(lates), 4), squeeze=False)
     colors = {"fork": "tab:blue", "stock": "tab:orange"}
-    for connector, marker in (("fork", "o"), ("stock", "s")):
-        rows = [r for r in result["rows"] if r["connector"] == connector]
-        ms = [r["producers"] for r in rows]
-        ax.plot(ms, [r["all_done_ms"] for r in rows], f"{marker}-", color=colors[connector],
-                label=f"{connector}: all done")
-        ax.plot(ms, [r["cpu_floor_ms"] for r in rows], f"{marker}:", color=colors[connector],
-                label=f"{connector}: CPU floor ({result['cores']} cores)")
-    fork = [r for r in result["rows"] if r["connector"] == "fork"]
-    ax.plot([r["producers"] for r in fork], [r["max_queue_wait_ms"] for r in fork], "^--",
-            color="tab:green", label="fork: largest queue_wait")
-    ax.set_xticks(sorted({r["producers"] for r in result["rows"]}))
-    ax.set_xlabel("producers one decoder handshakes with at once")
-    ax.set_ylabel("ms (median)")
-    ax.set_title(f"One D, M producers ({caption(result)})", fontsize=9)
-    ax.legend(fontsize=8)
+    for ax, late in zip(axes[0], lates, strict=True):
+        at = [r for r in result["rows"] if r["late_ms"] == late]
+        for connector, marker in (("fork", "o"), ("stock", "s")):
+            rows = [r for r in at if r["connector"] == connector]
+            ms = [r["producers"] for r in rows]
+            ax.plot(ms, [r["all_done_ms"] for r in rows], f"{marker}-", color=colors[connector],
+                    label=f"{connector}: all done")
+            ax.plot(ms, [r["cpu_floor_ms"] for r in rows], f"{marker}:", color=colors[connector],
+                    label=f"{connector}: CPU floor ({result['cores']} cores)")
+        fork = [r for r in at if r["connector"] == "fork"]
+        ax.plot([r["producers"] for r in fork], [r["max_queue_wait_ms"] for r in fork], "^--",
+                color="tab:green", label="fork: largest queue_wait")
+        ax.set_xticks(sorted({r["producers"] for r in at}))
+        ax.set_xlabel("producers one decoder handshakes with at once")
+        ax.set_ylabel("ms (median)")
+        ax.set_title(f"side channel answers +{late:g} ms", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"One D, M producers ({caption(result)})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     pyplot.close(fig)

@@ -55,6 +55,25 @@ class FaultCommands:
 
         self.worker._peer_failed(engine_id, PeerReset.NOTIFICATION_FAILED)
 
+    def cmd_answer_side_channel_late(self, delay_ms: float) -> None:
+        """Every side-channel answer of this engine leaves `delay_ms` late: the round
+        trip to a producer on another host, or one whose engine keeps its listener
+        thread waiting. (The listener is vLLM's thread on a ZMQ ROUTER socket; its
+        reply is delayed where pyzmq sends it, the only place reachable once it runs.)"""
+        import time
+
+        import zmq
+
+        send = zmq.Socket.send_multipart
+        delay_s = delay_ms / 1000
+
+        def late_send(sock: Any, *args: Any, **kwargs: Any) -> Any:
+            if sock.socket_type == zmq.ROUTER:
+                time.sleep(delay_s)  # the injected latency, not synchronisation
+            return send(sock, *args, **kwargs)
+
+        zmq.Socket.send_multipart = late_send  # type: ignore[method-assign]
+
     def _watched_logs(self) -> dict[str, list[str]]:
         return self.__dict__.setdefault("_watched", {})
 

@@ -41,9 +41,10 @@ def test_handshake_smoke_writes_json_and_png(tmp_path, monkeypatch):
 
 
 def test_producers_smoke_reports_both_connectors_per_m(tmp_path, monkeypatch):
-    result = _run(tmp_path, monkeypatch, "producers", "--producers", "1,2", "--rounds", "1")
-    assert [(r["producers"], r["connector"]) for r in result["rows"]] == [
-        (1, "fork"), (1, "stock"), (2, "fork"), (2, "stock")]
+    result = _run(tmp_path, monkeypatch, "producers", "--producers", "1,2", "--rounds", "1", "--late-ms", "5")
+    assert [(r["late_ms"], r["producers"], r["connector"]) for r in result["rows"]] == [
+        (0, 1, "fork"), (0, 1, "stock"), (0, 2, "fork"), (0, 2, "stock"),
+        (5, 1, "fork"), (5, 1, "stock"), (5, 2, "fork"), (5, 2, "stock")]
     for row in result["rows"]:
         assert row["all_done_ms"] > 0 and row["cpu_ms_per_handshake"] > 0
         assert (row["max_queue_wait_ms"] is None) == (row["connector"] == "stock")
