@@ -58,6 +58,7 @@ LEASE_S = 9
 SPAN_WAIT_S = 60.0
 HOSTS = unavailable_reason() is None
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's own count of released leases
+FINISHED = "vllm:request_success_total"  # vLLM's own count of finished requests
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 # What the tests learn that later ones compare with (tests run in file order).
 FACTS: dict[str, Any] = {}
@@ -336,12 +337,14 @@ def test_prefill_restart_fails_the_caught_request_fast_and_new_requests_work(sta
     caught_prompt = drive.make_prompts(1, seed=51)[0]
     resets = count(stack.decode, PEER_RESETS.name + "_total")
     sent = count(stack.decode, HEARTBEATS.name + "_total", outcome="sent")
-    with busy(stack.decode):
+    prefilled = count(stack.prefill, FINISHED)
+    with busy(stack.decode, requests=2):
         caught = drive.InBackground(stack.router.url, caught_prompt, "e2e-caught", MAX_TOKENS, timeout_s=300)
-        # (P's own metrics move only when P steps; an idle P's renewals show on its next step.)
-        wait_until(lambda: count(stack.prefill, KV_LEASES_HELD.name) >= 1
+        # P finished the prefill (vLLM counts the request; the connector's lease gauge moves
+        # only on P's next step, and an idle P takes none) and D heartbeats it from its queue.
+        wait_until(lambda: count(stack.prefill, FINISHED) > prefilled
                    and count(stack.decode, HEARTBEATS.name + "_total", outcome="sent") > sent,
-                   "P to hold the request's KV while D heartbeats it from its queue", 60, 1.0)
+                   "P to finish the prefill while D heartbeats the request from its queue", 60, 1.0)
         new_p = stack.restart_prefill()
     out = caught.join()
     assert not out.error, out.error
