@@ -157,9 +157,12 @@ class Busy:
     (with `--max-num-seqs 1`, every request behind it waits in the engine's queue).
 
     The request is streamed: entering returns once its first token came, so it really
-    runs (unless `wait=False`, for a request queued behind another), and leaving closes
-    the stream, which makes vLLM abort what is left of it. Tests therefore end the busy
-    spell on a condition, not on a token count sized from a measured speed.
+    runs (unless `wait=False`, for a request queued behind another). After that first
+    token nothing more is read: the engine goes on generating while its API server,
+    held back by the connection, stops streaming (had it streamed every token, it would
+    have competed on its one core with the requests the test sends meanwhile). Leaving
+    closes the connection, which makes vLLM abort what is left of the request, so tests
+    end the busy spell on a condition, not on a token count sized from a speed.
     """
 
     def __init__(self, engine_url: str, max_tokens: int = 4000, seed: int = 5, *, wait: bool = True,
@@ -169,14 +172,11 @@ class Busy:
         self._running, self._ended, self._stop = threading.Event(), threading.Event(), threading.Event()
         self._wait_s = wait_s if wait else 0.0
         self._conn: http.client.HTTPConnection | None = None
-        self.tokens: list[int] = []
         self.error = ""
-        self.seconds = 0.0  # from its first token to its last
 
     def _run(self) -> None:
         url, prompt, max_tokens = self._args
         parts = urllib.parse.urlsplit(url)
-        first = 0.0
         try:
             self._conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
             self._conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
@@ -185,23 +185,15 @@ class Busy:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
             for chunk in _sse_tokens(resp):
-                if self._stop.is_set():
-                    break  # left before the connection was there to cut
-                if not self._running.is_set():
-                    first = time.monotonic()
+                if chunk:
                     self._running.set()
-                self.tokens += chunk
-                self.seconds = time.monotonic() - first
+                    break
+            self._stop.wait()  # read nothing more until the block ends
         except Exception as exc:  # reported, not raised in the thread
             if not self._stop.is_set():
                 self.error = f"{type(exc).__name__}: {exc}"
         finally:
             self._ended.set()
-
-    @property
-    def tokens_per_s(self) -> float:
-        """The engine's decode speed while it ran this request alone."""
-        return (len(self.tokens) - 1) / self.seconds if self.seconds else 0.0
 
     def __enter__(self) -> Busy:
         self._thread.start()
@@ -224,9 +216,13 @@ class Busy:
 
 
 class KeepStepping:
-    """Small requests sent straight to an engine, one after the other, while the block
-    runs: a prefill engine in production always has work, and its lease reaper runs on
-    its engine steps."""
+    """Requests sent straight to an engine, one after the other, while the block runs: a
+    prefill engine in production always has work, and its lease reaper runs on its
+    engine steps. Each generates `STEPS` tokens, so the engine steps all the time on
+    about one HTTP request a second (a request per step would keep its API server, and
+    the core it shares, busy with HTTP instead)."""
+
+    STEPS = 128
 
     def __init__(self, engine_url: str):
         self.url = engine_url
@@ -236,9 +232,12 @@ class KeepStepping:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with contextlib.suppress(Exception):
-                _post(self.url + "/v1/completions", body(make_prompts(1, seed=1000 + self.sent)[0][:16], 1),
-                      {}, timeout_s=60)
+            prompt = make_prompts(1, seed=1000 + self.sent)[0][:16]
+            try:
+                _post(self.url + "/v1/completions", body(prompt, self.STEPS, ignore_eos=True), {},
+                      timeout_s=60)
+            except Exception:  # the engine down or restarting: try again shortly, quietly
+                self._stop.wait(0.5)
             self.sent += 1
 
     def __enter__(self) -> KeepStepping:
