@@ -26,7 +26,6 @@ from typing import Any
 
 import msgspec
 import pytest
-import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 
 from connector.vocabulary import SPAN_HANDSHAKE, Attr, Phase, phase_span_name
@@ -36,6 +35,7 @@ from harness.config import FORK, EngineSpec
 from harness.poll import wait_until
 from harness.runner import EngineHandle, free_port
 from tests.conftest import drain_stats, handshakes
+from tests.support.side_channel import SideChannelRelay
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1200)]
 
@@ -51,22 +51,15 @@ REGISTRATION_PHASES = {phase_span_name(p) for p in (
 FETCH = phase_span_name(Phase.METADATA_FETCH)
 
 
-class HeldSideChannel:
-    """A relay in front of one engine's side channel (ZMQ ROUTER): it holds every
-    request until `open()`, then forwards each to the engine and relays the reply."""
+class HeldSideChannel(SideChannelRelay):
+    """A relay in front of one engine's side channel: it holds every request until
+    `open()`, then forwards each to the engine and relays the reply."""
 
     def __init__(self, upstream_port: int):
-        self.port = free_port()
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port, forward_timeout_ms=30_000)
         self.received = 0
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://127.0.0.1:{self.port}")
         self._opened = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        self.start()
 
     def open(self) -> None:
         self._opened.set()
@@ -81,23 +74,6 @@ class HeldSideChannel:
             while held and self._opened.is_set():
                 identity, msg = held.pop(0)
                 self._sock.send_multipart([identity, b"", *self._forward(msg)])
-
-    def _forward(self, msg: bytes) -> list[bytes]:
-        sock = self._ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 30_000)
-        try:
-            sock.connect(f"tcp://127.0.0.1:{self.upstream_port}")
-            sock.send(msg)
-            return sock.recv_multipart()
-        finally:
-            sock.close(0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close(0)
-        self._ctx.term()
 
 
 def held_until_all_arrive(relays: list[HeldSideChannel], what: str) -> None:

@@ -195,7 +195,8 @@ def test_requests_queued_longer_than_the_lease_keep_their_kv(stack: Stack) -> No
     arrives over NIXL and the outputs equal the reference."""
     prompts = drive.make_prompts(3, seed=31, lengths=(100,))
     expired, external = count(stack.prefill, EXPIRED), external_tokens(stack)
-    with drive.KeepStepping(stack.prefill.url), busy(stack.decode, requests=2):
+    # (Four local requests: more than the test waits for; leaving the block cuts them short.)
+    with drive.KeepStepping(stack.prefill.url), busy(stack.decode, requests=4):
         burst = [drive.InBackground(stack.router.url, prompt, f"e2e-burst-{i:03d}", MAX_TOKENS)
                  for i, prompt in enumerate(prompts)]
         # (P's /metrics is polled once a second: rendering it costs a loaded prefill.)
@@ -397,7 +398,7 @@ def test_stock_lets_queued_requests_lose_their_kv(stock: Stack) -> None:
     queued requests (vLLM's own expiry count rises) and they wait on D (cut short here)."""
     prompt = drive.make_prompts(1, seed=31, lengths=(100,))[0]
     expired = count(stock.prefill, EXPIRED)
-    with drive.KeepStepping(stock.prefill.url), busy(stock.decode, requests=2):
+    with drive.KeepStepping(stock.prefill.url), busy(stock.decode, requests=3):
         # (Not waited for: it waits on D for KV that P released.)
         drive.InBackground(stock.router.url, prompt, "stock-burst", MAX_TOKENS, timeout_s=2 * LEASE_S)
         wait_until(lambda: count(stock.prefill, EXPIRED) > expired,

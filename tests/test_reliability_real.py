@@ -17,14 +17,12 @@ import collections
 import os
 import secrets
 import signal
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import pytest
-import zmq
 from hypothesis import strategies as st
 
 from connector.vocabulary import (
@@ -43,6 +41,7 @@ from harness.runner import EngineHandle, free_port
 from tests.conftest import handshakes
 from tests.support import push_reg
 from tests.support.push_reg import ANYTHING
+from tests.support.side_channel import SideChannelRelay
 from tests.test_side_channel_listener import BAD_REQUESTS as BAD_SIDE_CHANNEL_REQUESTS
 from tests.test_side_channel_listener import send_frames
 
@@ -61,8 +60,8 @@ START_TIMEOUT_S = 600.0
 
 
 # ------------------------------------------------------------------ side-channel fakes
-class SideChannelProxy:
-    """A ZMQ ROUTER between a worker and a real side channel.
+class SideChannelProxy(SideChannelRelay):
+    """A relay between a worker and a real side channel.
 
     It stays silent for the first `silent_first` requests (the peer's engine is busy),
     then forwards each request to `upstream_port` and relays the reply; with
@@ -71,22 +70,11 @@ class SideChannelProxy:
 
     def __init__(self, upstream_port: int | None = None, silent_first: int = 0,
                  reply: list[bytes] | None = None):
-        self.port = free_port()
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port)
         self.silent_first = silent_first
         self.reply = reply
         self.requests = 0
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://127.0.0.1:{self.port}")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    @property
-    def address(self) -> dict[str, Any]:
-        return {"host": "127.0.0.1", "port": self.port}
+        self.start()
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -98,23 +86,6 @@ class SideChannelProxy:
                 self._sock.send_multipart([identity, b"", *self.reply])
             elif self.requests > self.silent_first and self.upstream_port is not None:
                 self._sock.send_multipart([identity, b"", *self._forward(msg)])
-
-    def _forward(self, msg: bytes) -> list[bytes]:
-        sock = self._ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 10_000)
-        try:
-            sock.connect(f"tcp://127.0.0.1:{self.upstream_port}")
-            sock.send(msg)
-            return sock.recv_multipart()
-        finally:
-            sock.close(0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close(0)
-        self._ctx.term()
 
 
 # ------------------------------------------------------------------------ the rig

@@ -122,6 +122,7 @@ class PushFlow(Flow):
                 self._pending_d_registrations[request_id] = reg
                 self._registration_pending(request_id)
             else:
+                self._hold_lease_for_write(match[0])
                 self._do_start_push_kv(match[0], match[1], reg)
         except Exception as exc:
             # Already counted as a push failure where it was known; keep the batch going.
@@ -130,6 +131,24 @@ class PushFlow(Flow):
             return
         if match is None and self._early_p_to_d:
             self._start_early_handshake(reg)
+
+    def _hold_lease_for_write(self, req_id: str) -> None:
+        """A PUSH_REG that finds the lease alive extends it as a heartbeat would.
+
+        D stops heartbeating a request once it registered it, and the WRITE it asks for
+        can start later than the last heartbeat covered (behind a P->D handshake, or on
+        a prefill whose threads are busy); `_lease_gone` would then refuse a WRITE whose
+        decoder did everything in time. (Writer thread, beside the main thread's reaper:
+        only a lease a second or more from its deadline is touched, so the reaper cannot
+        be releasing it meanwhile, and one released all the same is not brought back.)
+        """
+        deadline = self._reqs_to_send.get(req_id)
+        now = time.perf_counter()
+        if deadline is None or deadline - now < 1.0:
+            return
+        self._reqs_to_send[req_id] = max(deadline, now + float(self._lease_extension))
+        if req_id not in self._reqs_to_process:
+            self._reqs_to_send.pop(req_id, None)
 
     def _has_finished_blocks_for(self, d_request_id: str) -> bool:
         """P: finished blocks wait for this PUSH_REG (vLLM matches by base request id)."""
