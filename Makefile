@@ -95,7 +95,7 @@ LANE033_SKIP := $(if $(LANE033_ALL),,--ignore=tests/test_router.py --ignore=test
   --ignore=tests/test_deploy.py --ignore=tests/test_concurrent_handshakes.py \
   --ignore=tests/test_early_handshake.py --ignore=tests/test_failure_paths.py --ignore=tests/test_trace_join.py \
   -m "not serve and not prometheus" \
-  --deselect=tests/test_peer_restart.py::test_dead_prefill_fails_the_waiting_receive_within_a_lease \
+  --deselect=tests/test_peer_restart.py::test_dead_prefill_fails_the_waiting_receive_within_its_hold_bound \
   --deselect=tests/test_peer_restart.py::test_decode_dies_while_prefill_holds_a_lease_it_heartbeated \
   --deselect=tests/test_peer_restart.py::test_registration_no_request_of_prefill_matches_is_answered_and_never_written \
   --deselect=tests/test_peer_restart.py::test_decode_restart_under_prefill_fails_the_caught_push_fast_then_works \

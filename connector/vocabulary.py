@@ -127,6 +127,13 @@ class PushRegRejection(_Vocab):
     FAILED = "processing_failed"  # valid fields, but acting on it raised
     AFTER_LEASE = "after_lease_expired"  # arrived after P's KV lease for the request ended
     UNMATCHED = "unmatched"  # no request on P matched it within unmatched_push_reg_timeout_s
+    # Two live requests of this prefill share the PUSH_REG's base request id (a router
+    # reused a client's id as the transfer id): P cannot tell whose KV it is, so it refuses.
+    AMBIGUOUS = "ambiguous_request_id"
+    # The decoder's prompt digest differs from the prefill request's it matched by id.
+    PROMPT_MISMATCH = "prompt_mismatch"
+    # The same decoder request registered again (a duplicated notification): dropped.
+    DUPLICATE = "duplicate"
 
 
 class PushFailReason(_Vocab):
@@ -135,6 +142,13 @@ class PushFailReason(_Vocab):
     LEASE_EXPIRED = "lease_expired"  # P's lease ended before the PUSH_REG or before the WRITE
     PUSH_FAILED = "push_failed"  # P's WRITE into the decoder's blocks failed
     NO_PREFILL = "no_prefill"  # no request on P matched the PUSH_REG in time (P restarted?)
+    AMBIGUOUS = "ambiguous_request_id"  # two of P's live requests share the request id
+    PROMPT_MISMATCH = "prompt_mismatch"  # the request id matched a prefill of another prompt
+    # P's WRITE did not settle within push_write_timeout_s and was aborted.
+    WRITE_TIMEOUT = "write_timeout"
+    # The decoder last asked for the KV longer than a lease ago: it may have let the
+    # blocks go, so P does not WRITE into them.
+    REGISTRATION_STALE = "registration_stale"
 
 
 class ReceiveFailure(_Vocab):
@@ -145,9 +159,48 @@ class ReceiveFailure(_Vocab):
     LEASE_EXPIRED = "lease_expired"  # PUSH_FAIL: P's lease ended first
     PUSH_FAILED = "push_failed"  # PUSH_FAIL: P's WRITE failed
     NO_PREFILL = "no_prefill"  # PUSH_FAIL: P never had the request (restarted?)
+    AMBIGUOUS = "ambiguous_request_id"  # PUSH_FAIL: P holds two requests of this id
+    PROMPT_MISMATCH = "prompt_mismatch"  # PUSH_FAIL: the id named another prompt on P
+    WRITE_TIMEOUT = "write_timeout"  # PUSH_FAIL: P's WRITE was aborted
+    REGISTRATION_STALE = "registration_stale"  # PUSH_FAIL: P saw no recent request for it
+    # Given up here, then failed once no WRITE into its blocks can still come (see
+    # ReceiveAbandon for why it was given up).
+    ABANDONED = "abandoned"
     PEER_RESTARTED = "peer_restarted"  # P came back with a new NIXL agent: the KV died with it
     PEER_UNREACHABLE = "peer_unreachable"  # P unreachable for longer than its lease lasts
     OTHER = "other"  # failed by vLLM for a reason it did not tell us
+
+
+class ReceiveAbandon(_Vocab):
+    """Why a decode worker gave up a registered receive before its KV landed. Its blocks
+    stay held until no WRITE into them can come (a lease plus the WRITE timeout after the
+    last time the decoder asked for them), then the receive fails (`abandoned`)."""
+
+    CLIENT_GONE = "client_gone"  # the request was aborted (client disconnected) while it waited
+    TIMED_OUT = "registration_timeout"  # no KV within push_registration_timeout
+    PEER_UNREACHABLE = "peer_unreachable"  # P answered nothing for longer than a lease
+
+
+class LeaseState(_Vocab):
+    """A prefill's KV lease, from its grant to its end (docs/architecture.md, "Push state")."""
+
+    HELD = "held"  # blocks kept for the decoder; renewable; released at its deadline
+    CLAIMED = "claimed"  # a PUSH_REG matched: never released until its WRITE settles
+    POSTING = "posting"  # the writer is posting the WRITEs
+    WRITING = "writing"  # WRITEs posted, not all settled
+    FAILED = "failed"  # no WRITE in flight and none will be: released at the next step
+    RELEASED = "released"  # blocks given back to vLLM (expired or failed)
+    PUSHED = "pushed"  # every WRITE done: vLLM freed the blocks
+
+
+class PushFailOutcome(_Vocab):
+    SENT = "sent"  # the notification reached the decoder's agents
+    UNDELIVERABLE = "undeliverable"  # the decoder could not be reached, or was forgotten
+
+
+class WriteAbort(_Vocab):
+    ABORTED = "aborted"  # NIXL released the WRITE's handles: no byte moves after this
+    ABORT_FAILED = "abort_failed"  # NIXL refused: blocks kept until it lets go
 
 
 class PeerReset(_Vocab):
@@ -155,6 +208,7 @@ class PeerReset(_Vocab):
 
     NOTIFICATION_FAILED = "notification_failed"  # a notification to its agent failed
     TRANSFER_FAILED = "transfer_failed"  # a WRITE into its blocks failed
+    SILENT = "silent"  # its side channel did not answer a liveness probe
 
 
 class LeaseRenewal(_Vocab):
@@ -314,14 +368,16 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     Label.NOTIF_AGENTS_ONLY: BOOL_VALUES,
     Label.OUTCOME: tuple(dict.fromkeys(
         [o.value for o in Outcome] + [o.value for o in NotifOutcome] + [e.value for e in PushEvent]
-        + [r.value for r in ReceiveOutcome] + [r.value for r in LeaseRenewal])),
+        + [r.value for r in ReceiveOutcome] + [r.value for r in LeaseRenewal]
+        + [o.value for o in PushFailOutcome] + [o.value for o in WriteAbort])),
     Label.PHASE: tuple(p.value for p in Phase),
     Label.ERROR_TYPE: tuple(e.value for e in ErrorType),
     Label.LIST: tuple(x.value for x in DescriptorList),
     Label.REASON: tuple(dict.fromkeys(
         [t.value for t in TelemetryError] + [r.value for r in PushRegRejection]
         + [r.value for r in SideChannelRejection] + [r.value for r in ReceiveFailure]
-        + [r.value for r in PeerReset])),
+        + [r.value for r in PeerReset] + [r.value for r in PushFailReason]
+        + [r.value for r in ReceiveAbandon])),
     Label.FATE: tuple(f.value for f in LeaseFate),
 }
 
@@ -571,6 +627,39 @@ RECEIVE_FAILURES = MetricSpec(
     "push_registration_timeout (vLLM then recomputes or fails the request).",
 )
 
+# -- the push state's owner (connector/state): what it refused, aborted or gave up -------
+PUSH_FAIL_NOTIFS = MetricSpec(
+    "vllm:nixl_push_fail_notifs",
+    MetricKind.COUNTER,
+    (Label.REASON, Label.OUTCOME),
+    "PUSH_FAIL notifications a prefill worker owed a decoder (its request gets no KV from "
+    "here), by why, and whether they were sent or undeliverable (decoder unreachable or "
+    "forgotten, or a stock decoder that does not understand them).",
+)
+WRITE_ABORTS = MetricSpec(
+    "vllm:nixl_push_write_aborts",
+    MetricKind.COUNTER,
+    (Label.OUTCOME,),
+    "WRITEs that did not settle within push_write_timeout_s: aborted (NIXL released them; "
+    "the lease is then released and the decoder told) or abort_failed (NIXL kept them: the "
+    "blocks stay held, and the abort is tried again next step).",
+)
+RECEIVES_ABANDONED = MetricSpec(
+    "vllm:nixl_receives_abandoned",
+    MetricKind.COUNTER,
+    (Label.REASON,),
+    "Registered receives a decode worker gave up (client gone, registration timeout, prefill "
+    "silent). Their blocks stay held until no WRITE into them can come, then the receive "
+    "fails (receive_failures{reason=abandoned}) and vLLM frees or recomputes.",
+)
+PEERS_FORGOTTEN = MetricSpec(
+    "vllm:nixl_peers_forgotten",
+    MetricKind.COUNTER,
+    (Label.DIRECTION,),
+    "Remote engines forgotten after being dropped and silent for peer_forget_after_s: "
+    "everything kept for them is released.",
+)
+
 ALL_METRICS: tuple[MetricSpec, ...] = (
     HANDSHAKES,
     HANDSHAKE_DURATION,
@@ -600,6 +689,10 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     PEER_RESETS,
     PEER_RESTARTS,
     RECEIVE_FAILURES,
+    PUSH_FAIL_NOTIFS,
+    WRITE_ABORTS,
+    RECEIVES_ABANDONED,
+    PEERS_FORGOTTEN,
 )
 
 # ------------------------------------------------ start-up guard (connector/glue/guard.py)
@@ -631,6 +724,10 @@ METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (HEARTBEATS.name, Label.OUTCOME): tuple(o.value for o in NotifOutcome),
     (PEER_RESETS.name, Label.REASON): tuple(r.value for r in PeerReset),
     (RECEIVE_FAILURES.name, Label.REASON): tuple(r.value for r in ReceiveFailure),
+    (PUSH_FAIL_NOTIFS.name, Label.REASON): tuple(r.value for r in PushFailReason),
+    (PUSH_FAIL_NOTIFS.name, Label.OUTCOME): tuple(o.value for o in PushFailOutcome),
+    (WRITE_ABORTS.name, Label.OUTCOME): tuple(o.value for o in WriteAbort),
+    (RECEIVES_ABANDONED.name, Label.REASON): tuple(r.value for r in ReceiveAbandon),
 }
 
 
@@ -702,6 +799,10 @@ class StatKey:
     PEER_RESETS = "peer_resets"  # list of "direction|reason"
     PEER_RESTARTS = "peer_restarts"  # list of direction values
     RECEIVE_FAILURES = "receive_failures"  # list of ReceiveFailure values
+    PUSH_FAILS = "push_fail_notifs"  # list of "reason|outcome"
+    WRITE_ABORTS = "write_aborts"  # list of WriteAbort values
+    RECEIVES_ABANDONED = "receives_abandoned"  # list of ReceiveAbandon values
+    PEERS_FORGOTTEN = "peers_forgotten"  # list of direction values
 
 
 OUR_STAT_KEYS = (
@@ -727,7 +828,23 @@ OUR_STAT_KEYS = (
     StatKey.PEER_RESETS,
     StatKey.PEER_RESTARTS,
     StatKey.RECEIVE_FAILURES,
+    StatKey.PUSH_FAILS,
+    StatKey.WRITE_ABORTS,
+    StatKey.RECEIVES_ABANDONED,
+    StatKey.PEERS_FORGOTTEN,
 )
+
+# What a fork decoder adds to its PUSH_REG and heartbeats (a stock prefill ignores it):
+# a digest of the request's prompt (P refuses a match whose prompt differs: request ids
+# can be reused), and when it last asked for the KV, in its own perf_counter clock (P
+# posts no WRITE more than a lease after that: see connector/state/receives.py).
+PUSH_REG_DIGEST_KEY = "nixl_observed_prompt"
+PUSH_REG_SENT_AT_KEY = "nixl_observed_sent_at"
+HEARTBEAT_SENT_AT_PREFIX = "@"  # an extra heartbeat "id": "@<perf_counter>"
+# Step metadata attributes our scheduler adds (a stock worker never reads them): P's
+# prompt digests of the finished requests, D's receives given up (client gone).
+METADATA_DIGEST_ATTR = "nixl_observed_prompt_digests"
+METADATA_GIVEN_UP_ATTR = "nixl_observed_given_up"
 
 # PUSH_REG fields P acts on, with the types it needs (validated before use).
 PUSH_REG_FIELDS: dict[str, tuple[type, ...]] = {

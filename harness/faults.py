@@ -53,7 +53,7 @@ class FaultCommands:
         does: the next step drops it (the engine itself may be alive)."""
         from connector.vocabulary import PeerReset
 
-        self.worker._peer_failed(engine_id, PeerReset.NOTIFICATION_FAILED)
+        self.worker._peers.failed(engine_id, PeerReset.NOTIFICATION_FAILED)
 
     def cmd_answer_side_channel_late(self, delay_ms: float) -> None:
         """Every side-channel answer of this engine leaves `delay_ms` late: the round

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from connector.glue.compat import RemoteAgentTable
 from connector.glue.retry import RetryPolicy
 from connector.glue.worker import ObservedPushWorker
+from connector.state.peers import PeerTable
 from connector.telemetry.in_flight import InFlight
 from connector.telemetry.tracing import SpanEmitter
 from connector.vocabulary import Direction, Trigger
@@ -41,7 +42,7 @@ def bare_worker(kv_role="kv_both"):
     w._handshake_pool = RecordingExecutor()
     w._attempt_lock = threading.Lock()
     w._engine_attempts = {}
-    w._dropped = {}
+    w._peers = PeerTable(forget_after_s=600.0)
     w._retry_policy = RetryPolicy()
     w._in_flight = InFlight()
     return w

@@ -27,8 +27,10 @@ from typing import Any
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
 from connector.glue.worker import ObservedPushWorker
+from connector.state.leases import LeaseLedger
 from connector.telemetry.span_table import BoundedIdSet
 from connector.telemetry.stats import ObservedNixlStats
 from connector.telemetry.tracing import SpanEmitter
@@ -325,10 +327,11 @@ def test_decode_fails_a_receive_whose_prefill_is_unreachable_within_the_retry_bu
     assert res["finished_recving"][d_id] - started <= RETRY_BUDGET_S + RECEIVE_FAIL_MARGIN_S
     d_stats.wait(StatKey.RECEIVE_FAILURES, lambda c: sum(c.values()) >= 1, "the failure counted")
     assert d_stats.counts(StatKey.RECEIVE_FAILURES) == Counter({ReceiveFailure.HANDSHAKE_FAILED.value: 1})
-    # handshake_retries: 1 -> two attempts, both finding no listener.
+    # One handshake, counted once with its final outcome (its second attempt); the
+    # first attempt is a retry (handshake_retries), both found no listener.
     attempts = [(x["attempt"], x["outcome"], x["error_type"])
                 for r in d_stats.records for x in r.get(StatKey.HANDSHAKES, [])]
-    assert attempts == [(1, "failure", "unreachable"), (2, "failure", "unreachable")]
+    assert attempts == [(2, "failure", "unreachable")]
     assert d_stats.counts(StatKey.HANDSHAKE_RETRIES) == Counter({"d_to_p": 1})
     logged = h["D"].call("logged", VLLM_NIXL_LOG)
     assert any("push_reg_handshake_failed" in line and d_id in line for line in logged), logged
@@ -339,6 +342,8 @@ def bare_lease_worker() -> Any:
     """A fork worker with only what the lease code reads (no vLLM constructor, no NIXL)."""
     w = object.__new__(ObservedPushWorker)
     w._init_leases()
+    w._leases = LeaseLedger(lease_s=KV_LEASE_DURATION_S, extension_s=KV_LEASE_DURATION_S * 2 // 3,
+                            write_timeout_s=10.0, margin_s=1.0, base_of=get_base_request_id)
     w._reqs_to_send = {}
     w._reqs_to_process = set()
     w.consumer_notification_counts_by_req = {}
@@ -353,9 +358,10 @@ def bare_lease_worker() -> Any:
 
 def grant(w: Any, req_id: str, expiry: float) -> None:
     """What vLLM's start_load_kv and ours do when a prefill finishes."""
+    w._leases.grant({req_id: expiry}, None, time.monotonic())
     w._reqs_to_process.add(req_id)
     w._reqs_to_send[req_id] = expiry
-    w._note_leases_granted({req_id: expiry})
+    w._note_leases_granted([req_id])
 
 
 def test_heartbeat_outcomes_unit() -> None:
@@ -366,6 +372,7 @@ def test_heartbeat_outcomes_unit() -> None:
     grant(w, held[1], now + 1.0)
     grant(w, done[1], now + 1.0)
     w._reqs_to_process.add(prefilling[1])  # in the batch, not finished: no lease
+    w._leases.note_batch([prefilling[1]], [])
     del w._reqs_to_send[done[1]]
     w._reqs_to_process.discard(done[1])
     w._leases_ended([done[1]])  # pushed
@@ -374,7 +381,8 @@ def test_heartbeat_outcomes_unit() -> None:
     assert Counter(w.xfer_stats.data[StatKey.LEASE_RENEWALS]) == Counter({
         LeaseRenewal.RENEWED.value: 1, LeaseRenewal.PREFILLING.value: 1,
         LeaseRenewal.ALREADY_DONE.value: 1, LeaseRenewal.UNKNOWN_REQUEST.value: 1})
-    assert w._reqs_to_send[held[1]] >= before + KV_LEASE_DURATION_S * 2 // 3
+    # The ledger holds the renewed deadline (vLLM's map is set from it at its reaper).
+    assert w._leases.deadline_of(held[1]) >= before + KV_LEASE_DURATION_S * 2 // 3
     assert prefilling[1] not in w._reqs_to_send
 
 
@@ -403,7 +411,7 @@ def test_lease_released_after_the_pass_it_was_due_is_counted_late(
                             reaper_stopping_at_first_live_lease)
     w = bare_lease_worker()
     previous_pass = time.perf_counter()
-    w._last_reap = previous_pass
+    w._leases.plan_reap(previous_pass, [])  # (the previous reaper pass)
     grant(w, "head", previous_pass + 3600.0)  # renewed: live
     grant(w, "behind", previous_pass + 0.001)  # expires after the previous pass
     wait_until(lambda: time.perf_counter() > previous_pass + 0.001, "the lease behind to expire",

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from connector.vocabulary import LeaseFate, PushRegRejection, ReceiveFailure, StatKey
+from connector.vocabulary import LeaseFate, PushRegRejection, ReceiveAbandon, ReceiveFailure, StatKey
 from harness import PushHarness
 from harness.poll import wait_until
 
@@ -27,7 +27,9 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 # (after a lease without contact).
 LEASE_S = 20
 SHORT_LEASE_S = 6
-RETRIES = {"handshake_timeout_ms": 1000, "handshake_retry_budget_s": 4}
+RETRIES = {"handshake_timeout_ms": 1000, "handshake_retry_budget_s": 4,
+           # (D holds a given-up receive's blocks a lease + this + 2 margins after its last ask.)
+           "push_write_timeout_s": 2, "push_lease_margin_s": 0.5}
 
 
 def ids() -> tuple[str, str]:
@@ -126,9 +128,11 @@ def test_decode_restart_under_prefill_fails_the_caught_push_fast_then_works(harn
     assert report.ok, (report.failed, report.mismatched)
 
 
-def test_dead_prefill_fails_the_waiting_receive_within_a_lease(tmp_path: Any) -> None:
-    """P dies and does not come back: D fails the receive bound to it once P has been
-    unreachable for a lease (P released its blocks by then), not after 480 s."""
+def test_dead_prefill_fails_the_waiting_receive_within_its_hold_bound(tmp_path: Any) -> None:
+    """P dies and does not come back: D's liveness probe finds it silent, D gives the
+    receive up once P has been unreachable for a lease, and fails it when no WRITE into
+    its blocks can come any more (a lease + the WRITE timeout after D last asked), not
+    after 480 s."""
     h = connected(tmp_path, SHORT_LEASE_S)
     try:
         d_stats = Stats(h, "D")
@@ -139,8 +143,12 @@ def test_dead_prefill_fails_the_waiting_receive_within_a_lease(tmp_path: Any) ->
         wait_until(lambda: d_id in h["D"].call("results")["failed_recving"],
                    "D to fail the receive bound to a dead prefill", timeout_s=SHORT_LEASE_S * 6)
         wait_until(lambda: d_stats.values(StatKey.RECEIVE_FAILURES)[
-            ReceiveFailure.PEER_UNREACHABLE.value] == 1, "the failure counted by reason",
+            ReceiveFailure.ABANDONED.value] == 1, "the failure counted by reason",
                    last=lambda: d_stats.values(StatKey.RECEIVE_FAILURES))
+        assert d_stats.values(StatKey.RECEIVES_ABANDONED) == Counter(
+            {ReceiveAbandon.PEER_UNREACHABLE.value: 1})
+        # (Dropped when a heartbeat to the dead agent failed, or when a probe went unanswered.)
+        assert sum(d_stats.values(StatKey.PEER_RESETS).values()) == 1
     finally:
         h.stop()
 

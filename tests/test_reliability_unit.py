@@ -164,6 +164,7 @@ def test_a_posted_write_is_counted_once_per_request_and_its_handle_passed_on(mon
     monkeypatch.setattr(NixlPushConnectorWorker, "_xfer_blocks", vllms)
     w = object.__new__(ObservedPushWorker)
     w._push_lock, w._pushing, w.xfer_stats = threading.Lock(), BoundedIdSet(), ObservedNixlStats()
+    w._posting = threading.local()
 
     def write(read_spec, request_id):
         if by_keyword:

@@ -22,7 +22,8 @@ from vllm.v1.request import Request, RequestStatus
 
 from connector.glue.connector import NixlPushConnector
 from connector.glue.scheduler import ObservedPushScheduler
-from connector.vocabulary import METADATA_TRACE_ATTR, REGISTRATION_TRACE_KEY
+from connector.glue.wire import prompt_digest
+from connector.vocabulary import METADATA_TRACE_ATTR, PUSH_REG_DIGEST_KEY, REGISTRATION_TRACE_KEY
 from harness.config import EngineSpec, build_kv_cache_config, build_vllm_config
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -79,9 +80,12 @@ def test_d_registration_carries_the_request_trace_context(configs, headers):
     stock_meta = stock.build_connector_meta(SchedulerOutput.make_empty())
     reg = meta.push_registrations["cmpl-d-1"]
     assert reg[REGISTRATION_TRACE_KEY] == {"traceparent": TRACEPARENT, "tracestate": TRACESTATE}
-    # Everything vLLM put there is unchanged; ours adds exactly one key.
+    # Everything vLLM put there is unchanged; ours adds the trace context and the
+    # prompt digest (which P checks its match against).
     stock_reg = stock_meta.push_registrations["cmpl-d-1"]
-    assert {k: v for k, v in reg.items() if k != REGISTRATION_TRACE_KEY} == stock_reg
+    assert {k: v for k, v in reg.items()
+            if k not in (REGISTRATION_TRACE_KEY, PUSH_REG_DIGEST_KEY)} == stock_reg
+    assert reg[PUSH_REG_DIGEST_KEY] == prompt_digest(a_request("cmpl-d-1", params).prompt_token_ids)
     assert set(meta.reqs_to_recv) == set(stock_meta.reqs_to_recv) == {"cmpl-d-1"}
     # The metadata crosses to the workers by pickle (vLLM's multiproc executor).
     assert pickle.loads(pickle.dumps(meta)).push_registrations["cmpl-d-1"] == reg
@@ -94,7 +98,8 @@ def test_d_registration_without_a_traceparent_is_stock(configs, headers):
     for conn in (ours, stock):
         conn.update_state_after_alloc(a_request("cmpl-d-2", params, headers), blocks(5), 64)
     reg = ours.build_connector_meta(SchedulerOutput.make_empty()).push_registrations["cmpl-d-2"]
-    assert reg == stock.build_connector_meta(SchedulerOutput.make_empty()).push_registrations["cmpl-d-2"]
+    stock_reg = stock.build_connector_meta(SchedulerOutput.make_empty()).push_registrations["cmpl-d-2"]
+    assert {k: v for k, v in reg.items() if k != PUSH_REG_DIGEST_KEY} == stock_reg
     assert REGISTRATION_TRACE_KEY not in reg
 
 

@@ -1,6 +1,6 @@
 """The seams the layout promises, checked in the source and in the built wheel.
 
-- The worker's flows (connector/glue: handshakes, receive, push, leases) use one
+- The worker's flows (connector/glue: handshakes, receive, push, leases, peers) use one
   another only through what `connector.glue.flow.Flow` declares: no flow imports a
   sibling flow module, and every `self.<name>` a flow uses is its own, declared in
   `Flow`, or vLLM's.
@@ -24,7 +24,7 @@ from connector.glue.guard import _assigned_attributes
 
 REPO = Path(__file__).resolve().parents[1]
 GLUE = REPO / "connector" / "glue"
-FLOWS = ("handshakes", "receive", "push", "leases")
+FLOWS = ("handshakes", "receive", "push", "leases", "peers")
 
 
 def _tree(module: str) -> ast.Module:
@@ -89,9 +89,9 @@ def test_a_flow_uses_only_its_own_names_the_declared_ones_and_vllms(module: str)
 
 def test_the_seam_check_sees_an_undeclared_use() -> None:
     """The check above on a module that calls a sibling's private helper."""
-    tree = ast.parse("class X:\n    def f(self):\n        self._registration_is_late({})\n")
-    assert "_registration_is_late" in _defined_in(_tree("push"))
-    assert "_registration_is_late" in _self_names(tree) - (_defined_in(tree) | _declared() | _vllm_names())
+    tree = ast.parse("class X:\n    def f(self):\n        self._finished_blocks_for({})\n")
+    assert "_finished_blocks_for" in _defined_in(_tree("push"))
+    assert "_finished_blocks_for" in _self_names(tree) - (_defined_in(tree) | _declared() | _vllm_names())
 
 
 def test_flow_declares_nothing_of_vllms_worker() -> None:

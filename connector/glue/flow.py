@@ -8,6 +8,8 @@ in a module of its own:
 - leases.py `LeaseFlow`: P's KV leases (renewal, expiry) and D's heartbeats;
 - peers.py `PeerFlow`: peers that stop working (dropped, re-handshaken, their requests
   failed instead of left waiting).
+The push state itself (leases, WRITEs, receives, peers) lives in the owner objects of
+connector/state, each behind its own lock; the flows change it only through them.
 Every flow subclasses `Flow`. A flow uses its own methods, vLLM's, and only what
 `Flow` declares here of the others: the state the worker's `__init__` sets, and the
 methods one flow offers the rest. It never imports a sibling flow module
@@ -22,12 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from connector.glue.retry import RetryPolicy
+    from connector.state.leases import LeaseLedger
+    from connector.state.peers import PeerTable
+    from connector.state.receives import ReceiveLedger
     from connector.telemetry.in_flight import InFlight
     from connector.telemetry.receives import ReceiveClock
     from connector.telemetry.span_table import BoundedIdSet, SpanTable
     from connector.telemetry.stats import ObservedNixlStats
     from connector.telemetry.tracing import SpanEmitter
-    from connector.vocabulary import PushFailReason, Trigger
+    from connector.vocabulary import ReceiveAbandon, Trigger
 
 
 class Flow:
@@ -53,13 +58,22 @@ class Flow:
     # P: PUSH_REG matched until the WRITE is done; P's own request trace contexts.
     _write_spans: SpanTable
     _request_contexts: SpanTable
-    # P: pushes posted / failed, leases that ended without a WRITE (under _push_lock).
+    # The push state's owners (connector/state): P's leases and WRITEs, D's receives,
+    # the remote engines. Every thread goes through their methods.
+    _leases: LeaseLedger
+    _receives: ReceiveLedger
+    _peers: PeerTable
+    # P: pushes counted started / failed (once per request; under _push_lock).
     _push_lock: threading.Lock
     _pushing: BoundedIdSet
     _push_failed: BoundedIdSet
-    _lease_expired: BoundedIdSet
 
     # ----------------------------------------------------------- HandshakeFlow offers
+    # The pool handshakes (and D's liveness probes) run on; the lock every NIXL and
+    # vLLM registration call of a remote engine takes (re-entrant).
+    _handshake_pool: Any
+    _registration_lock: Any
+
     def _run_triggered(self, trigger: Trigger, parent: Any, call: Callable[..., Any],
                        *args: Any) -> Any:
         """`call(*args)` with the handshakes it starts tagged `trigger`, parented on
@@ -80,6 +94,8 @@ class Flow:
         raise NotImplementedError
 
     # --------------------------------------------------------------- PushFlow offers
+    _pending_since: dict[str, float]  # P (writer): unmatched PUSH_REGs, by D request id
+
     def _keep_request_contexts(self, metadata: Any) -> None:
         """P: keep the trace contexts of requests whose blocks ship this step."""
         raise NotImplementedError
@@ -88,24 +104,32 @@ class Flow:
         """P: count the push failed (once) and end its write span."""
         raise NotImplementedError
 
-    def _note_lease_ended_unpushed(self, req_id: str) -> None:
-        """P: the request's lease ended without a WRITE (caller holds `_push_lock`)."""
+    def _send_owed_push_fails(self) -> None:
+        """P (writer): send the PUSH_FAILs the lease ledger owes decoders."""
         raise NotImplementedError
 
-    def _tell_decoder(self, reg: dict[str, Any], reason: PushFailReason) -> None:
-        """P: send PUSH_FAIL to the decoder of a PUSH_REG, connecting first if needed."""
+    def _count_push_fail(self, reason: Any, outcome: Any) -> None:
+        """P: one PUSH_FAIL sent, or undeliverable."""
+        raise NotImplementedError
+
+    def _answer_unmatched(self, now: float) -> None:
+        """P (writer): PUSH_REGs no request matched in time are answered no_prefill."""
         raise NotImplementedError
 
     # -------------------------------------------------------------- LeaseFlow offers
-    _lease_granted: dict[str, float]  # P: request id -> when its lease was granted
     _leases_report_owed: bool
 
-    def _note_leases_granted(self, reqs_to_send: dict[str, float]) -> None:
-        """P (main thread, after vLLM's `start_load_kv`): the leases started this step."""
+    def _grant_ahead(self, metadata: Any) -> list[str]:
+        """P (main, before vLLM's `start_load_kv`): the leases this step starts, granted
+        in the ledger before vLLM hands the writer their blocks."""
         raise NotImplementedError
 
-    def _note_lease_registered(self, p_request_id: str) -> None:
-        """P (writer thread): a decoder's PUSH_REG matched this request."""
+    def _note_leases_granted(self, granted: list[str]) -> None:
+        """P (main thread, after vLLM's `start_load_kv`): vLLM's exact deadlines."""
+        raise NotImplementedError
+
+    def _renew_from(self, agent: Any, message: bytes) -> None:
+        """P (writer): a heartbeat notification arrived from a decoder's agent."""
         raise NotImplementedError
 
     def _lease_events(self, req_id: str, span: Any) -> None:
@@ -125,11 +149,6 @@ class Flow:
         raise NotImplementedError
 
     # --------------------------------------------------------------- PeerFlow offers
-    _suspects: dict[str, Any]  # engines whose notifications or WRITEs failed
-    _dropped: dict[str, Any]  # engines whose connection was dropped, until reconnected
-    _pending_since: dict[str, float]  # P: unmatched PUSH_REGs, by D request id
-    _unmatched_rejected: BoundedIdSet  # P: PUSH_REGs answered no_prefill
-    _abandoned: BoundedIdSet  # D: receives failed here (no PUSH_REG goes out for them)
 
     def _release_kept_transfer_info(self, engine_id: str) -> None:
         """Pool thread, under the registration lock, before a handshake registers the
@@ -138,6 +157,11 @@ class Flow:
 
     def _notif_sent(self, notif: Any, ok: bool, agent: Any = None) -> None:
         """Every NIXL notification this worker sent, or failed to send (the probe's hook)."""
+        raise NotImplementedError
+
+    def _notifs_received(self, notifs: dict[Any, list[bytes]]) -> dict[Any, list[bytes]]:
+        """Writer, each pass (vLLM's `get_new_notifs`, through the probe): contact,
+        heartbeats and the writer's own due work; returns what vLLM's loop handles."""
         raise NotImplementedError
 
     def _note_peer_agents(self, engine_id: str, agents: dict[Any, str]) -> bool:
@@ -153,38 +177,19 @@ class Flow:
         """D (writer): which agents a PUSH_REG reached (`failed` of them did not)."""
         raise NotImplementedError
 
-    def _receive_over(self, req_id: str) -> Any:
-        """D (main): a receive ended; why we failed it (ReceiveFailure), if we did."""
-        raise NotImplementedError
-
     def _fail_receive(self, req_id: str, reason: Any) -> None:
-        """D: fail a receive now (vLLM recomputes or fails the request)."""
+        """D: fail a receive now (vLLM recomputes or fails the request): only when no
+        WRITE into its blocks can come (see connector/state/receives.py)."""
         raise NotImplementedError
 
-    def _note_receive_failure(self, req_id: str, reason: Any) -> None:
-        """D: why vLLM is failing this receive (counted when it is reported)."""
-        raise NotImplementedError
-
-    def _push_started(self, request_id: str, reg: dict[str, Any]) -> None:
-        """P (writer): a push to the PUSH_REG's decoder is under way."""
-        raise NotImplementedError
-
-    def _push_over(self, request_id: str) -> None:
-        """P (main): the request's push ended (done, failed or expired)."""
+    def _give_up_receive(self, req_id: str, why: ReceiveAbandon) -> None:
+        """D (main): stop waiting for a receive; it fails once no WRITE can reach it."""
         raise NotImplementedError
 
     def _push_broke(self, request_id: str, why: Any = None) -> None:
-        """P: the request's WRITE failed (`why`: the error, if any)."""
-        raise NotImplementedError
-
-    def _registration_pending(self, d_request_id: str) -> None:
-        """P (writer): a PUSH_REG waits for its prefill."""
-        raise NotImplementedError
-
-    def _registration_refused(self, d_request_id: str) -> bool:
-        """P (writer): True for a PUSH_REG answered no_prefill (never WRITE for it)."""
+        """P: a WRITE of the request failed (`why`: the error, if any)."""
         raise NotImplementedError
 
     def _tend_peers(self) -> None:
-        """Main thread, each step while a peer is suspect or dropped."""
+        """Main thread, each step while a peer is suspect, dropped or waited on."""
         raise NotImplementedError

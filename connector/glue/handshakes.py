@@ -122,7 +122,8 @@ class HandshakeFlow(Flow):
         if concurrency < 1:
             raise ValueError(f"handshake_concurrency must be >= 1, got {concurrency}")
         self._handshake_pool = ThreadPoolExecutor(concurrency, thread_name_prefix="nixl-handshake")
-        self._registration_lock = threading.Lock()
+        # (Re-entrant: a peer drop holds it across vLLM's cleanup, which takes it too.)
+        self._registration_lock = threading.RLock()
         # Remote engine -> attempts waiting behind the one that runs (under _attempt_lock).
         self._engine_attempts: dict[str, deque[tuple[_HandshakeJob, HandshakeRecord]]] = {}
         self._attempt_lock = threading.Lock()
@@ -189,7 +190,8 @@ class HandshakeFlow(Flow):
             tail = bind_handshake_tail(args, kwargs)
             direction, notif_only = self._flavor_for(
                 trigger, bool(tail and tail.get("notif_agents_only", False)))
-        self._evict_stale_engines()
+        # (vLLM evicts idle engines here, from whichever thread asks; the fork does it
+        # on the engine's main thread only: peers.py `_evict_stale_engines_here`.)
         with self._handshake_lock:
             connected = engine_id in self._remote_agents
             if connected and (notif_only or engine_id not in self._notif_only_engines):
@@ -316,6 +318,9 @@ class HandshakeFlow(Flow):
                     "NIXL handshake to %s (%s:%s, %s) failed transiently (%s); retry %d in %.2f s",
                     peer_str(job.engine_id), peer_str(job.host), job.port, job.direction.value,
                     record.error_type.value if record.error_type else "error", job.attempt, delay)
+                # An attempt, not a handshake: the handshake is counted once, with its
+                # final outcome (`_finish_job`); this one's spans and phase failure stay.
+                record.retried = True
                 self._publish_handshake(record)
                 self._safe_stats(self.xfer_stats.record_retry, job.direction.value)
                 timer = threading.Timer(delay, self._start_attempt, args=(job,))
@@ -529,10 +534,19 @@ class HandshakeFlow(Flow):
         self._enter_phase(Phase.DESCRIPTOR_REGISTRATION)
         return super()._build_mamba_remote(*args, **kwargs)
 
-    def _cleanup_remote_engine(self, engine_id: str, *args: Any, **kwargs: Any) -> None:
-        # (NIXL calls: never at the same time as a handshake's.)
-        with self._registration_lock:
-            super()._cleanup_remote_engine(engine_id, *args, **kwargs)
+    def _cleanup_remote_engine(self, engine_id: str, *args: Any, **kwargs: Any) -> bool:
+        """vLLM's cleanup of a remote engine, never while a WRITE to it is being posted
+        or in flight (the lease ledger says; False: kept), and never at the same time
+        as a handshake's NIXL calls."""
+        if not self._leases.begin_drop(engine_id):
+            logger.debug("Kept remote engine %s: a WRITE to it is in flight", peer_str(engine_id))
+            return False
+        try:
+            with self._registration_lock:
+                super()._cleanup_remote_engine(engine_id, *args, **kwargs)
+        finally:
+            self._leases.end_drop(engine_id)
         with self._handshake_lock:
             self._notif_only_engines.discard(engine_id)
+        return True
 

@@ -5,7 +5,9 @@ It observes the two agent calls a handshake is made of (`add_remote_agent` and
 what NIXL was actually asked to do rather than trusting a flag, and every
 notification sent (heartbeats are counted from here). Every other attribute is
 bound straight to the real agent on first use: the transfer hot path
-(make_prepped_xfer, transfer, check_xfer_state, get_new_notifs) pays nothing.
+(make_prepped_xfer, transfer, check_xfer_state) pays nothing. `get_new_notifs` is
+the writer thread's one call per pass: the worker sees the notifications there
+(contact, heartbeats) and does the writer's own due work (connector/glue/peers.py).
 """
 
 from __future__ import annotations
@@ -51,11 +53,14 @@ def count_descriptors(descs: Any) -> int:
 
 class NixlAgentProbe:
     """Wraps a `nixl_agent`; see module docstring. `on_notif(message, ok, agent)` hears
-    of every notification sent (or failed) through it; it must not raise."""
+    of every notification sent (or failed) through it; `on_receive(notifs)` sees what
+    `get_new_notifs` returned ({agent: [messages]}) and returns what the caller gets.
+    Neither may raise."""
 
-    def __init__(self, agent: Any, on_notif: Any = None):
+    def __init__(self, agent: Any, on_notif: Any = None, on_receive: Any = None):
         object.__setattr__(self, "_agent", agent)
         object.__setattr__(self, "_on_notif", on_notif)
+        object.__setattr__(self, "_on_receive", on_receive)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._agent, name)
@@ -101,6 +106,18 @@ class NixlAgentProbe:
         if self._on_notif is not None:
             self._on_notif(message, True, remote_agent_name)
         return result
+
+    def get_new_notifs(self) -> Any:
+        notifs = self._agent.get_new_notifs()
+        hook = self._on_receive
+        if hook is None:
+            return notifs
+        try:
+            return hook(notifs)
+        except Exception:
+            logger.warning("handling received NIXL notifications failed; passing them on",
+                           exc_info=True)
+            return notifs
 
     def get_xfer_descs(self, *args: Any, **kwargs: Any) -> Any:
         record = ActiveRecord.get()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections import deque
 from typing import Any
 
@@ -26,6 +27,7 @@ from connector.telemetry.tracing import SpanEmitter, extract_span, inject_contex
 from connector.vocabulary import (
     PUSH_FAIL_NOTIF_PREFIX,
     PUSH_REG_CAPS_KEY,
+    PUSH_REG_SENT_AT_KEY,
     PUSH_REG_TRACE_KEY,
     REGISTRATION_TRACE_KEY,
     SPAN_PUSH_RECEIVE,
@@ -75,6 +77,7 @@ class ReceiveFlow(Flow):
         self._pending_completion_notifs = inbox
 
     def _start_receives(self, registrations: dict[str, dict[str, Any]]) -> None:
+        self._receives.start(registrations, time.perf_counter())
         self._receive_clock.start_all(registrations)
         if self._spans.enabled:
             try:
@@ -99,8 +102,8 @@ class ReceiveFlow(Flow):
 
     # ------------------------------------------------------------- PUSH_REG out
     def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
-        if self._abandoned and req_id in self._abandoned:
-            return  # failed here meanwhile (its prefill's engine restarted): nothing to send
+        if not self._receives.begin_send(req_id):
+            return  # given up or failed here meanwhile: nothing to send
         # Tell P we understand PUSH_FAIL; a stock P ignores the key. The copy is ours
         # from here on (vLLM re-queues this very dict after a handshake, the key
         # already in it), so the register span's context goes into it in place.
@@ -149,6 +152,9 @@ class ReceiveFlow(Flow):
         agents = dict(dict.get(self._remote_agents, reg_data.get("remote_engine_id")) or {})
         num_agents = len(agents)
         self._trigger_local.reg_failures = 0
+        # When this decoder last asked for the KV (its clock): a fork P posts no WRITE
+        # more than a lease after it (connector/state/receives.py). Our copy of the dict.
+        reg_data[PUSH_REG_SENT_AT_KEY] = time.perf_counter()
         super()._do_send_reg_notif(req_id, reg_data)
         failed = self._trigger_local.reg_failures if num_agents else 1
         try:

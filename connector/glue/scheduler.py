@@ -12,6 +12,15 @@ workers. This subclass passes the context along the two paths vLLM already has:
   `nixl.push.write` can link to P's own request. A stock worker never looks at it.
 Nothing here raises into vLLM's scheduling: a telemetry fault is logged and dropped.
 
+Two more facts travel the same way, so that P never hands a request another's KV
+and D never frees blocks a WRITE can still reach:
+- a digest of each request's prompt: D's goes into its registration (and so the
+  PUSH_REG), P's into the step metadata with the finished blocks; P refuses a match
+  whose digests differ (request ids can be reused by routers and clients);
+- D: the requests aborted while they waited for their KV (the client went away),
+  in the step metadata, so the worker gives up their receives (vLLM holds their blocks
+  until the worker reports them; upstream that never happens when no KV comes).
+
 It also runs vLLM's side-channel listener under `listener.supervise` (see there): a
 bad request no longer ends the listener, and a port that cannot be bound is an error
 at start-up instead of a scheduler waiting forever; and on D it keeps how long each
@@ -29,8 +38,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
 )
 
 from connector.glue import listener
+from connector.glue.wire import prompt_digest
 from connector.telemetry.tracing import trace_carrier
-from connector.vocabulary import METADATA_TRACE_ATTR, REGISTRATION_TRACE_KEY
+from connector.vocabulary import (
+    METADATA_DIGEST_ATTR,
+    METADATA_GIVEN_UP_ATTR,
+    METADATA_TRACE_ATTR,
+    PUSH_REG_DIGEST_KEY,
+    REGISTRATION_TRACE_KEY,
+)
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.utils import BlockIds
@@ -57,13 +73,23 @@ def attach_request_contexts(metadata: Any, contexts: dict[str, dict[str, str]]) 
         setattr(metadata, METADATA_TRACE_ATTR, dict(contexts))
 
 
+def request_digest(request: Request) -> str | None:
+    """The prompt digest of a vLLM request (token ids and multimodal identifiers)."""
+    features = getattr(request, "mm_features", None) or ()
+    return prompt_digest(request.prompt_token_ids,
+                         [getattr(f, "identifier", "") for f in features])
+
+
 class ObservedPushScheduler(NixlPushConnectorScheduler):
     """See module docstring."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        # P: contexts of requests whose finished blocks ship with the next metadata.
+        # P: contexts and prompt digests of requests whose finished blocks ship with the
+        # next metadata; D: requests aborted while they waited for their KV.
         self._finished_trace_contexts: dict[str, dict[str, str]] = {}
+        self._finished_digests: dict[str, str] = {}
+        self._given_up: list[str] = []
         # D: request id -> when it arrived, while vLLM heartbeats P for it (arrival order).
         self._waiting_since: dict[str, float] = {}
         self._waiting_reported_at = 0.0
@@ -123,29 +149,47 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        registration = self._push_pending_registrations.get(request.request_id)
+        if registration is None:
+            return
+        digest = request_digest(request)
+        if digest is not None:
+            registration[PUSH_REG_DIGEST_KEY] = digest
         if not request.trace_headers:  # tracing off, or no context sent: no work
             return
         try:
-            registration = self._push_pending_registrations.get(request.request_id)
-            if registration is not None:
-                stage_trace_context(registration, request.trace_headers)
+            stage_trace_context(registration, request.trace_headers)
         except Exception:
             logger.debug("registration trace context dropped", exc_info=True)
 
     def request_finished(self, request: Request,
                          block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+        # D: still waiting for its KV (vLLM heartbeats it until the KV lands).
+        waiting = request.request_id in self._heartbeat_req_engine
         result = super().request_finished(request, block_ids)
-        if request.trace_headers and request.request_id in self._newly_finished_push_blocks:
-            try:
-                carrier = trace_carrier(request.trace_headers)
-                if carrier:
-                    self._finished_trace_contexts[request.request_id] = carrier
-            except Exception:
-                logger.debug("request trace context dropped", exc_info=True)
+        if waiting:
+            self._given_up.append(request.request_id)
+        if request.request_id in self._newly_finished_push_blocks:
+            digest = request_digest(request)
+            if digest is not None:
+                self._finished_digests[request.request_id] = digest
+            if request.trace_headers:
+                try:
+                    carrier = trace_carrier(request.trace_headers)
+                    if carrier:
+                        self._finished_trace_contexts[request.request_id] = carrier
+                except Exception:
+                    logger.debug("request trace context dropped", exc_info=True)
         return result
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
+        if self._finished_digests:
+            setattr(meta, METADATA_DIGEST_ATTR, self._finished_digests)
+            self._finished_digests = {}
+        if self._given_up:
+            setattr(meta, METADATA_GIVEN_UP_ATTR, self._given_up)
+            self._given_up = []
         if self._finished_trace_contexts:
             try:
                 attach_request_contexts(meta, self._finished_trace_contexts)

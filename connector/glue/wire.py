@@ -7,22 +7,33 @@
   Sent only to a decoder whose PUSH_REG lists `push_fail` under `nixl_observed_caps`;
   a stock decoder would misread an unknown notification. A stock peer ignores the
   extra PUSH_REG keys (vLLM reads the dict with `.get`).
-- HB (D -> P, vLLM's): `HB:` + comma-separated request ids, as the router named them.
+- HB (D -> P, vLLM's): `HB:` + comma-separated request ids. A fork decoder names its
+  own request ids and adds one `@<perf_counter>` entry: when it sent the heartbeat, in
+  its clock (a stock prefill looks that "id" up, finds nothing, and goes on).
+- Extra PUSH_REG keys of a fork decoder: the request's prompt digest and when the
+  PUSH_REG was sent (see connector/state/receives.py for why P needs both).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+from array import array
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 import msgspec
 
 from connector.vocabulary import (
     CAP_PUSH_FAIL,
+    HEARTBEAT_SENT_AT_PREFIX,
     MAX_PUSH_FAIL_BYTES,
     MAX_PUSH_REG_BYTES,
     PUSH_FAIL_NOTIF_PREFIX,
     PUSH_REG_CAPS_KEY,
+    PUSH_REG_DIGEST_KEY,
     PUSH_REG_FIELDS,
+    PUSH_REG_SENT_AT_KEY,
     PushFailReason,
     PushRegRejection,
 )
@@ -123,8 +134,51 @@ def wants_push_fail(reg: dict[str, Any]) -> bool:
 
 
 def heartbeat_ids(notif: bytes | str) -> list[str]:
-    """The request ids a heartbeat names (empty strings dropped)."""
+    """The request ids a heartbeat names (empty strings and its send time dropped)."""
+    return parse_heartbeat(notif)[0]
+
+
+def parse_heartbeat(notif: bytes | str) -> tuple[list[str], float | None]:
+    """(request ids, when the decoder sent it in its clock, if it said)."""
     text = notif.decode("utf-8", "replace") if isinstance(notif, bytes) else notif
     if text.startswith("HB:"):
         text = text[3:]
-    return [rid for rid in text.split(",") if rid]
+    ids, sent_at = [], None
+    for rid in text.split(","):
+        if not rid:
+            continue
+        if rid.startswith(HEARTBEAT_SENT_AT_PREFIX):
+            with contextlib.suppress(ValueError):
+                sent_at = float(rid[len(HEARTBEAT_SENT_AT_PREFIX):])
+            continue
+        ids.append(rid)
+    return ids, sent_at
+
+
+def sent_at_token(now: float) -> str:
+    """The heartbeat entry that says when it was sent."""
+    return f"{HEARTBEAT_SENT_AT_PREFIX}{now:.6f}"
+
+
+def prompt_digest(token_ids: Iterable[int] | None, extra: Iterable[Any] = ()) -> str | None:
+    """A short digest of a request's prompt (token ids, plus multimodal identifiers):
+    the same on P and D for the same request, different for different prompts."""
+    if token_ids is None:
+        return None
+    try:
+        h = hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=12)
+    except (TypeError, OverflowError):
+        return None
+    for item in extra:
+        h.update(str(item).encode())
+    return h.hexdigest()
+
+
+def push_reg_digest(reg: dict[str, Any]) -> str | None:
+    value = reg.get(PUSH_REG_DIGEST_KEY)
+    return value if isinstance(value, str) and len(value) <= 64 else None
+
+
+def push_reg_sent_at(reg: dict[str, Any]) -> float | None:
+    value = reg.get(PUSH_REG_SENT_AT_KEY)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
 from connector.glue.compat import RemoteAgentTable
 from connector.glue.cpu_affinity import EXTRA_CONFIG_KEY as AFFINITY_KEY
@@ -39,6 +40,10 @@ from connector.glue.peers import PeerFlow
 from connector.glue.push import PushFlow
 from connector.glue.receive import ReceiveFlow
 from connector.glue.retry import RetryPolicy
+from connector.glue.wire import prompt_digest
+from connector.state.leases import LeaseLedger
+from connector.state.peers import PeerTable
+from connector.state.receives import ReceiveLedger
 from connector.telemetry import errors
 from connector.telemetry.in_flight import InFlight
 from connector.telemetry.receives import ReceiveClock
@@ -46,11 +51,15 @@ from connector.telemetry.span_table import BoundedIdSet, SpanTable
 from connector.telemetry.stats import ObservedNixlStats
 from connector.telemetry.tracing import SpanEmitter, resolve_tracer, span_ids
 from connector.vocabulary import (
+    METADATA_GIVEN_UP_ATTR,
     METADATA_TRACE_ATTR,
+    PushFailReason,
+    ReceiveAbandon,
     ReceiveFailure,
     ReceiveOutcome,
     TelemetryError,
     Trigger,
+    WriteAbort,
 )
 
 if TYPE_CHECKING:
@@ -68,6 +77,13 @@ _RECEIVE_FAILURES = frozenset({"push_reg_handshake_failed"})
 # vLLM's default for the D-side registration watchdog (`push_registration_timeout`,
 # itself defaulting to `decoder_kv_blocks_ttl`).
 DEFAULT_REGISTRATION_TIMEOUT_S = 480.0
+# A WRITE that has not settled this long after its PUSH_REG matched is aborted.
+DEFAULT_WRITE_TIMEOUT_S = 30.0
+# Slack for clock offsets and engine steps in the lease arithmetic (s).
+DEFAULT_LEASE_MARGIN_S = 2.0
+# A dropped peer silent this long is forgotten.
+DEFAULT_FORGET_AFTER_S = 600.0
+__all__ = ["ObservedPushWorker", "prompt_digest"]
 # (Plain strings: an enum's `.value` is a Python-level property, read per request.)
 _SUCCESS, _FAILURE, _EXPIRED = (o.value for o in (ReceiveOutcome.SUCCESS, ReceiveOutcome.FAILURE,
                                                   ReceiveOutcome.EXPIRED))
@@ -102,7 +118,18 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         self._writer_trigger = {"kv_producer": Trigger.PUSH_WRITE,
                                 "kv_consumer": Trigger.PUSH_REG}.get(self._kv_role)
         self.xfer_stats = ObservedNixlStats()
-        self.nixl_wrapper = NixlAgentProbe(self.nixl_wrapper, on_notif=self._notif_sent)
+        # The push state's owners (connector/state; docs/architecture.md "Push state").
+        lease_s = float(extra("kv_lease_duration", 30))
+        write_timeout_s = float(extra("push_write_timeout_s", DEFAULT_WRITE_TIMEOUT_S))
+        margin_s = float(extra("push_lease_margin_s", DEFAULT_LEASE_MARGIN_S))
+        self._leases = LeaseLedger(lease_s=lease_s, extension_s=float(self._lease_extension),
+                                   write_timeout_s=write_timeout_s, margin_s=margin_s,
+                                   base_of=get_base_request_id)
+        self._receives = ReceiveLedger(hold_s=lease_s + write_timeout_s + 2 * margin_s)
+        self._peers = PeerTable(forget_after_s=float(extra("peer_forget_after_s",
+                                                           DEFAULT_FORGET_AFTER_S)))
+        self.nixl_wrapper = NixlAgentProbe(self.nixl_wrapper, on_notif=self._notif_sent,
+                                           on_receive=self._notifs_received)
         self._remote_agents = RemoteAgentTable(self._remote_agents)
         # Engines connected notification-only, and the pending handshake job per engine
         # (its flavor, and whether a WRITE waits on it).
@@ -123,7 +150,6 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         self._push_lock = threading.Lock()
         self._pushing = BoundedIdSet()  # P: WRITEs posted, not yet reported done
         self._push_failed = BoundedIdSet()
-        self._lease_expired = BoundedIdSet()  # P: reported done without a WRITE
         self._retry_policy = RetryPolicy.from_extra_config(extra)
         self._in_flight = InFlight()
         self._init_receive()
@@ -135,40 +161,44 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
     # vLLM calls these on the engine's main thread every step, mostly with nothing
     # for us to do: each idle step costs attribute tests, not calls into the flows.
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
-        """D: time (and trace) the receives handed over; P: keep the request contexts
-        the write spans link to. Then vLLM's step, its heartbeats tagged."""
-        if metadata.push_registrations and not (
-                getattr(self, "pcp_rank", 0) > 0 and not getattr(self, "pcp_dcp_sharded", False)):
-            # (vLLM skips the whole step on these ranks; so do we.)
-            try:
-                self._start_receives(metadata.push_registrations)
-            except Exception as exc:
-                errors.note(TelemetryError.STATS, exc)
+        """Before vLLM's step: D starts (and traces) the receives handed over and gives
+        up those whose client went away; P grants the step's leases in the ledger (the
+        writer may see their blocks the moment vLLM queues them). Then vLLM's step, its
+        heartbeats tagged; then P takes vLLM's exact lease deadlines."""
+        if getattr(self, "pcp_rank", 0) > 0 and not getattr(self, "pcp_dcp_sharded", False):
+            return super().start_load_kv(metadata)  # (vLLM skips the whole step on these ranks)
+        if metadata.push_registrations:
+            self._start_receives(metadata.push_registrations)
+        given_up = getattr(metadata, METADATA_GIVEN_UP_ATTR, None)
+        if given_up:
+            for req_id in given_up:
+                self._give_up_receive(req_id, ReceiveAbandon.CLIENT_GONE)
+        granted = (self._grant_ahead(metadata)
+                   if metadata.reqs_to_send or metadata.reqs_in_batch or metadata.reqs_not_processed
+                   else None)
         if self._spans.enabled and getattr(metadata, METADATA_TRACE_ATTR, None):
             self._keep_request_contexts(metadata)
-        if not metadata.heartbeat_by_engine:  # most steps
+        if not metadata.heartbeat_by_engine and not self._owed_heartbeats:  # most steps
             super().start_load_kv(metadata)
         else:
             # vLLM sends the step's heartbeats (`_send_heartbeats`) at the end of this
             # call, the only place in it that may start a handshake: tag those as the
             # heartbeat's (roots of their own traces).
             self._run_triggered(Trigger.HEARTBEAT, None, super().start_load_kv, metadata)
-        if metadata.reqs_to_send:  # P: leases granted this step
-            try:
-                self._note_leases_granted(metadata.reqs_to_send)
-            except Exception as exc:
-                errors.note(TelemetryError.STATS, exc)
+        if granted:
+            self._note_leases_granted(granted)
+        return None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """vLLM's per-step stats, plus the in-flight handshakes, the leases held and
         telemetry faults."""
-        if self._in_flight.to_report or errors.pending or self._lease_granted or \
+        if self._in_flight.to_report or errors.pending or len(self._leases) or \
                 self._leases_report_owed:
             try:
                 snapshot = self._in_flight.snapshot()
                 if snapshot is not None:
                     self.xfer_stats.set_in_flight(snapshot)
-                if self._lease_granted or self._leases_report_owed:
+                if len(self._leases) or self._leases_report_owed:
                     self._report_leases()
                 lost = errors.drain()
                 if lost:
@@ -178,25 +208,62 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         return super().get_kv_connector_stats()
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
+        """The step's defined point for the push state (engine main thread), in order:
+        PUSH_FAILs received and peers tended (receives that fail now are queued for
+        vLLM's step); overdue WRITEs aborted; vLLM's step, whose reaper releases what
+        the lease ledger released; then WRITEs settled and the results accounted."""
         if self._pending_completion_notifs.push_fails:  # rare: D was told a push will not come
-            try:
-                self._take_push_fail_notifs()  # before vLLM drains its failed receives
-            except Exception as exc:
-                errors.note(TelemetryError.STATS, exc)
-        if self._suspects or self._dropped:
-            try:
-                self._tend_peers()  # before vLLM reports the receives it fails
-            except Exception as exc:
-                errors.note(TelemetryError.STATS, exc)
-        results = super().get_transfer_results()
+            self._take_push_fail_notifs()  # before vLLM drains its failed receives
+        if self._peers.need_tending or self._receives.abandoned or self._receives or \
+                time.perf_counter() - self._tended_at >= 1.0:
+            self._tend_peers()  # before vLLM reports the receives it fails
+        if self._leases.writing or self._leases:
+            self._abort_overdue_writes()
         clock = self._receive_clock
-        if results.finished_sending or results.finished_recving or (
-                clock.waiting and time.monotonic() >= clock.next_expiry):
+        expired = clock.waiting and time.monotonic() >= clock.next_expiry
+        if expired:
+            for req_id, _ in clock.overdue():
+                self._give_up_receive(req_id, ReceiveAbandon.TIMED_OUT)
+        results = super().get_transfer_results()
+        if self._leases.writing or results.finished_sending:
+            with self._sending_transfers_lock:
+                open_writes = {r for r, handles in self._sending_transfers.items() if handles}
+            for settled in self._leases.settle(results.finished_sending, open_writes):
+                if not settled.pushed:
+                    self._mark_push_failed(settled.req_id, "push_failed",
+                                           (settled.failure or PushFailReason.PUSH_FAILED).value)
+        if results.finished_sending or results.finished_recving or expired:
             try:
                 self._account_results(results)
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
         return results
+
+    def _abort_overdue_writes(self) -> None:
+        """Claims past push_write_timeout_s: an unposted one fails in the ledger; posted
+        WRITEs are aborted here (NIXL releases their handles: no byte moves after)."""
+        for req_id in self._leases.overdue(time.perf_counter()):
+            with self._sending_transfers_lock:
+                handles = list(self._sending_transfers.get(req_id, ()))
+                kept = []
+                for handle in handles:
+                    try:
+                        self.nixl_wrapper.release_xfer_handle(handle)
+                    except Exception:
+                        kept.append(handle)
+                if kept:
+                    self._sending_transfers[req_id] = kept
+                else:
+                    self._sending_transfers.pop(req_id, None)
+            outcome = WriteAbort.ABORT_FAILED if kept else WriteAbort.ABORTED
+            logger.warning("WRITE of request %s did not settle within push_write_timeout_s: %s",
+                           req_id, "NIXL kept it; trying again next step" if kept else "aborted")
+            try:
+                self.xfer_stats.record_write_abort(outcome.value)
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)
+            if not kept:
+                self._leases.aborted(req_id)
 
     # ------------------------------------------------------------- failures
     def _log_failure(self, failure_type: str, req_id: str | None, msg: str = "",
@@ -237,22 +304,23 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         if failure_type in _PUSH_FAILURES and self._kv_role != "kv_consumer":
             if failure_type != "push_handshake_failed":  # (the WRITE itself failed)
                 self._push_broke(req_id, why)
+            # A claim that posted nothing fails now; posted WRITEs fail once all settle.
+            self._leases.fail(req_id, PushFailReason.PUSH_FAILED)
             self._mark_push_failed(req_id, failure_type, str(why))
         elif failure_type in _RECEIVE_FAILURES:
-            self._note_receive_failure(req_id, ReceiveFailure.HANDSHAKE_FAILED)
+            self._receives.note_failure(req_id, ReceiveFailure.HANDSHAKE_FAILED)
             self._end_receive_spans(req_id, failure_type, str(why))
 
     def _account_results(self, results: KVConnectorTransferResults) -> None:
         tracing = self._spans.enabled  # (without it the span tables stay empty: no lookups)
+        if results.finished_sending:
+            self._leases_ended(results.finished_sending)
         for req_id in results.finished_sending:
-            self._push_over(req_id)
             with self._push_lock:
                 pushed = req_id in self._pushing
                 failed = req_id in self._push_failed
                 self._pushing.pop(req_id, None)
                 self._push_failed.pop(req_id, None)
-                if not pushed:
-                    self._note_lease_ended_unpushed(req_id)
             if pushed and not failed:
                 self.xfer_stats.record_push_completed()
             if tracing:
@@ -265,13 +333,12 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
                 elif span is not None:
                     SpanEmitter.end(span, error_type="lease_expired",
                                     message="KV lease ended before the WRITE completed")
-        if results.finished_sending:
-            self._leases_ended(results.finished_sending)
+            self._leases.forget(req_id)
         clock = self._receive_clock
         record = self.xfer_stats.record_receive
         for req_id in results.finished_recving:
             failed = req_id in results.failed_recving
-            why = self._receive_over(req_id)
+            why = self._receives.over(req_id)
             if failed:
                 self.xfer_stats.record_receive_failure((why or ReceiveFailure.OTHER).value)
             if not tracing:  # (`_record_receive` inlined: one call fewer per receive)

@@ -123,6 +123,15 @@ class ObservedPromMetrics(NixlPromMetrics):
                     self._child(V.PEER_RESETS, idx, direction.value, reset.value)
             for why in V.ReceiveFailure:
                 self._child(V.RECEIVE_FAILURES, idx, why.value)
+            for reason in V.PushFailReason:
+                for sent in V.PushFailOutcome:
+                    self._child(V.PUSH_FAIL_NOTIFS, idx, reason.value, sent.value)
+            for abort in V.WriteAbort:
+                self._child(V.WRITE_ABORTS, idx, abort.value)
+            for why in V.ReceiveAbandon:
+                self._child(V.RECEIVES_ABANDONED, idx, why.value)
+            for direction in V.Direction:
+                self._child(V.PEERS_FORGOTTEN, idx, direction.value)
         self._init_degraded_gauge(list(labelnames))
 
     # -- start-up guard verdict (connector/glue/guard.py) ----------------------------
@@ -203,6 +212,9 @@ class ObservedPromMetrics(NixlPromMetrics):
             (StatKey.LEASE_EXPIRIES, V.KV_LEASE_EXPIRIES, V.LeaseFate),
             (StatKey.PEER_RESTARTS, V.PEER_RESTARTS, V.Direction),
             (StatKey.RECEIVE_FAILURES, V.RECEIVE_FAILURES, V.ReceiveFailure),
+            (StatKey.WRITE_ABORTS, V.WRITE_ABORTS, V.WriteAbort),
+            (StatKey.RECEIVES_ABANDONED, V.RECEIVES_ABANDONED, V.ReceiveAbandon),
+            (StatKey.PEERS_FORGOTTEN, V.PEERS_FORGOTTEN, V.Direction),
         )
         for key, spec, closed in labelled:
             values = data.get(key)
@@ -215,15 +227,17 @@ class ObservedPromMetrics(NixlPromMetrics):
                 continue
             for label, n in tally.items():
                 self._child(spec, idx, label).inc(n)
-        resets = data.get(StatKey.PEER_RESETS)
-        if resets:
+        for key, spec, parse in _PAIRED:
+            values = data.get(key)
+            if not values:
+                continue
             try:
-                pairs = Counter_(_peer_reset(v) for v in resets)  # validates every value first
+                pairs = Counter_(parse(v) for v in values)  # validates every value first
             except Exception:
-                self._drop(StatKey.PEER_RESETS, resets, idx)
+                self._drop(key, values, idx)
             else:
-                for (direction, reason), n in pairs.items():
-                    self._child(V.PEER_RESETS, idx, direction, reason).inc(n)
+                for (first, second), n in pairs.items():
+                    self._child(spec, idx, first, second).inc(n)
         snapshots = data.get(StatKey.IN_FLIGHT)
         if snapshots:
             try:
@@ -288,22 +302,25 @@ class ObservedPromMetrics(NixlPromMetrics):
                 v < 0 for _, v in [*phases, *regs, *descs]):
             raise ValueError("negative value in handshake record")
 
-        self._child(V.HANDSHAKES, idx, direction, trigger, notif, outcome).inc()
-        observe(self._child(V.HANDSHAKE_DURATION, idx, direction, notif, outcome), duration, exemplar)
-        for phase, seconds in phases:
-            observe(self._child(V.HANDSHAKE_PHASE_DURATION, idx, direction, notif, phase), seconds,
-                    exemplar_of(trace_id, phase_spans.get(phase)) if exemplar else None)
         if failure is not None:
             self._child(V.HANDSHAKE_PHASE_FAILURES, idx, direction, *failure).inc()
+        retried = hs.get("retried") is True  # an attempt: the handshake counts at its last
+        if not retried:
+            self._child(V.HANDSHAKES, idx, direction, trigger, notif, outcome).inc()
+            observe(self._child(V.HANDSHAKE_DURATION, idx, direction, notif, outcome), duration,
+                    exemplar)
+            for phase, seconds in phases:
+                observe(self._child(V.HANDSHAKE_PHASE_DURATION, idx, direction, notif, phase),
+                        seconds, exemplar_of(trace_id, phase_spans.get(phase)) if exemplar else None)
         for which, n in regs:
             if n:
                 self._child(V.DESCRIPTOR_REGISTRATIONS, idx, direction, which).inc(n)
         for which, n in descs:
             if n:
                 self._child(V.DESCRIPTORS_REGISTERED, idx, direction, which).inc(n)
-        if saved_regs:
+        if saved_regs and not retried:
             self._child(V.DESCRIPTOR_REGISTRATIONS_SAVED, idx, direction).inc(saved_regs)
-        if saved_descs:
+        if saved_descs and not retried:
             self._child(V.DESCRIPTORS_SAVED, idx, direction).inc(saved_descs)
 
     def _observe_receive(self, rec: dict[str, Any], idx: int) -> None:
@@ -314,10 +331,21 @@ class ObservedPromMetrics(NixlPromMetrics):
         observe(self._child(V.RECEIVE_DURATION, idx, outcome), duration,
                 exemplar_of(rec.get("trace_id"), rec.get("span_id")))
 
+def _push_fail(value: Any) -> tuple[str, str]:
+    reason, outcome = str(value).split("|")
+    return V.PushFailReason(reason).value, V.PushFailOutcome(outcome).value
+
+
 def _peer_reset(value: Any) -> tuple[str, str]:
     direction, reason = str(value).split("|")
     return V.Direction(direction).value, V.PeerReset(reason).value
 
+
+# Stats keys holding "first|second" label pairs, with the metric and the parser.
+_PAIRED: tuple[tuple[Any, ...], ...] = (
+    (StatKey.PEER_RESETS, V.PEER_RESETS, _peer_reset),
+    (StatKey.PUSH_FAILS, V.PUSH_FAIL_NOTIFS, _push_fail),
+)
 
 # Stats keys holding counts, with the metric (and label value) they add to.
 _COUNTS: tuple[tuple[Any, ...], ...] = (

@@ -54,6 +54,20 @@ class ReceiveClock:
             return None
         return max(0.0, (time.monotonic() if now is None else now) - started)
 
+    def overdue(self, now: float | None = None) -> list[tuple[str, float]]:
+        """Receives older than the timeout (not removed), with their age in seconds."""
+        if not self.waiting:
+            return []
+        now = time.monotonic() if now is None else now
+        if now < self.next_expiry:
+            return []
+        out = []
+        for req_id, started in self.waiting.items():
+            if now - started < self.timeout_s:
+                break
+            out.append((req_id, now - started))
+        return out
+
     def pop_expired(self, now: float | None = None) -> list[tuple[str, float]]:
         """Receives older than the timeout, removed, with their age in seconds."""
         if not self.waiting:  # no receive open: no lock, no clock read

@@ -108,6 +108,9 @@ class HandshakeRecord:
     attempt: int = 1
     after_reset: str = ""  # PeerReset value when this handshake replaces a dropped connection
     peer_restarted: bool = False  # the peer came back with a new NIXL agent
+    # A failed attempt the handshake retries: its phase failure and any descriptors it
+    # prepared count, the handshake itself counts once, with its final attempt.
+    retried: bool = False
     submitted_ns: int = field(default_factory=time.time_ns)
     ended_ns: int = 0
     segments: list[PhaseSegment] = field(default_factory=list)
@@ -211,6 +214,8 @@ class HandshakeRecord:
             "saved_registrations": self.saved_registrations,
             "saved_descriptors": self.saved_descriptors,
         }
+        if self.retried:
+            out["retried"] = True
         if self.trace_id:
             out["trace_id"] = self.trace_id
             out["span_id"] = self.span_id

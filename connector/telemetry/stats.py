@@ -141,6 +141,19 @@ class ObservedNixlStats(NixlKVConnectorStats):
     def record_receive_failure(self, reason: str) -> None:
         self._append(StatKey.RECEIVE_FAILURES, reason)
 
+    # -- what the push state's owner refused, aborted or gave up ----------------
+    def record_push_fail(self, reason: str, outcome: str) -> None:
+        self._append(StatKey.PUSH_FAILS, f"{reason}|{outcome}")
+
+    def record_write_abort(self, outcome: str) -> None:
+        self._append(StatKey.WRITE_ABORTS, outcome)
+
+    def record_receive_abandoned(self, reason: str) -> None:
+        self._append(StatKey.RECEIVES_ABANDONED, reason)
+
+    def record_peer_forgotten(self, direction: str) -> None:
+        self._append(StatKey.PEERS_FORGOTTEN, direction)
+
     def set_remote_prefills(self, waiting: int, oldest_wait_s: float) -> None:
         """D's scheduler: requests waiting for a remote prefill now (a snapshot)."""
         with _LOCK:
@@ -203,7 +216,7 @@ class ObservedNixlStats(NixlKVConnectorStats):
             out["Receives"] = len(receives)
             out["Failed receives"] = sum(
                 isinstance(r, dict) and r.get("outcome") != "success" for r in receives)
-        hs = [h for h in self.handshakes if _well_formed(h)]
+        hs = [h for h in self.handshakes if _well_formed(h) and h.get("retried") is not True]
         if not hs:
             out["Num handshakes"] = 0
             return out

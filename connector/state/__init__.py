@@ -1,0 +1,16 @@
+"""The push state and its owners: one object per kind of state, one lock each.
+
+- `leases.LeaseLedger` (P): KV leases, the PUSH_REG that claims each, its WRITEs, and
+  the PUSH_FAILs owed to decoders.
+- `receives.ReceiveLedger` (D): each receive from its registration until its KV landed
+  or it failed, and when a given-up receive's blocks are safe to free.
+- `peers.PeerTable` (both): remote engines' agents, when each last answered, which are
+  suspect, dropped or forgotten.
+
+Every thread (the engine's main thread, vLLM's writer, the handshake pool, the idle
+poll) changes this state only through these objects' methods, which take the object's
+lock, decide, and return what the caller must do; none calls into vLLM, NIXL or
+another of these objects while holding its lock. vLLM's own maps are changed on the
+engine's main thread only, at the points docs/architecture.md ("Push state") names.
+Nothing here imports vLLM: the rules are tested on their own (tests/test_push_state.py).
+"""

@@ -1,0 +1,611 @@
+"""P's KV leases and the WRITEs that read them, under one lock.
+
+A lease holds a finished prefill's blocks for its decoder. vLLM keeps the deadline
+in its worker's `_reqs_to_send` and releases what is past it in its reaper, on the
+engine's main thread; heartbeats (read by the writer thread) extend it, and the
+writer WRITEs from the blocks. Those three used to meet in vLLM's map with no common
+lock, so a WRITE could be refused for a lease a heartbeat had just renewed, or start
+from blocks the reaper had just released. Here the ledger is the authority:
+
+- the writer renews (heartbeats) and claims (a matching PUSH_REG) under the lock;
+- the main thread asks the ledger which leases to release (`plan_reap`) and vLLM's
+  reaper then releases exactly those (the worker sets vLLM's deadlines to match);
+- a claimed lease is never released until its WRITE settled: done on every rank,
+  failed on every rank, or aborted after `write_timeout_s`;
+- a WRITE is refused only for a lease that was really released, never because a
+  deadline looked past on a stale copy;
+- a PUSH_FAIL is owed only once every rank's WRITE of the request settled.
+
+The state machine is the table in docs/architecture.md ("Push state"). Methods say
+which thread calls them; none calls out while holding the lock.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from connector.vocabulary import LeaseFate, LeaseRenewal, LeaseState, PushFailReason, PushRegRejection
+
+# Bound on requests (and tombstones) the ledger tracks; past it the oldest go.
+MAX_LEASES = 65536
+MAX_RENEWALS_KEPT = 32
+
+# The ids vLLM's OpenAI server gives a request from its `X-Request-Id` (before the
+# engine adds its `-<8 hex>` suffix): completions `cmpl-<id>-<prompt index>`, chat
+# `chatcmpl-<id>`.
+_ROUTER_ID = (re.compile(r"cmpl-(.+)-\d+"), re.compile(r"chatcmpl-(.+)"))
+
+_LIVE = frozenset({LeaseState.HELD, LeaseState.CLAIMED, LeaseState.POSTING, LeaseState.WRITING})
+_CLAIMED = frozenset({LeaseState.CLAIMED, LeaseState.POSTING, LeaseState.WRITING})
+
+
+def request_keys(req_id: str, base_of: Callable[[str], str]) -> tuple[str, ...]:
+    """The keys one of P's request ids is known by: itself, its base id, and the id
+    the router sent when vLLM's OpenAI server derived the base from it."""
+    base = base_of(req_id)
+    keys = [req_id, base] if base != req_id else [req_id]
+    for pattern in _ROUTER_ID:
+        match = pattern.fullmatch(base)
+        if match:
+            keys.append(match[1])
+            break
+    return tuple(keys)
+
+
+@dataclass(slots=True)
+class Lease:
+    """One lease; fields other than the key ones are read under the ledger's lock."""
+
+    req_id: str
+    keys: tuple[str, ...]
+    deadline: float  # vLLM's clock (perf_counter) while HELD
+    granted_at: float  # monotonic
+    digest: str | None = None
+    state: LeaseState = LeaseState.HELD
+    renewals: list[int] = field(default_factory=list)  # wall-clock ns, for span events
+    wanted: bool = False  # a decoder heartbeated for it
+    want_d: float | None = None  # latest "still wanted" time, in the decoder's clock
+    d_request_id: str | None = None
+    engine: str | None = None  # the decoder engine it is pushed to
+    reg: dict[str, Any] | None = None
+    claimed_at: float = 0.0  # perf_counter
+    handles: int = 0
+    failure: PushFailReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why P does not WRITE for a PUSH_REG (counted as `rejection`, told as `reason`)."""
+
+    rejection: PushRegRejection | None
+    reason: PushFailReason
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """A lease the reaper releases this step, with what P knew of it."""
+
+    req_id: str
+    fate: LeaseFate
+    late: bool  # its deadline had passed before the previous reaper pass
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """A claimed lease whose WRITE settled this step."""
+
+    req_id: str
+    pushed: bool
+    failure: PushFailReason | None
+
+
+class LeaseLedger:
+    """See module docstring. `base_of` strips vLLM's per-engine request id suffix."""
+
+    def __init__(self, *, lease_s: float, extension_s: float, write_timeout_s: float,
+                 margin_s: float, base_of: Callable[[str], str], limit: int = MAX_LEASES):
+        self.lease_s = lease_s
+        self.extension_s = extension_s
+        self.write_timeout_s = write_timeout_s
+        self.margin_s = margin_s
+        self._base_of = base_of
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._leases: OrderedDict[str, Lease] = OrderedDict()
+        self._by_key: dict[str, set[str]] = {}  # any key -> live P request ids
+        self._prefilling: dict[str, tuple[str, ...]] = {}  # in the batch, not finished
+        # D request id -> what became of its PUSH_REG ("pending", "claimed", "pushed",
+        # "failed", "refused"): duplicates are recognised, not acted on twice.
+        self._registrations: OrderedDict[str, str] = OrderedDict()
+        self._pending_bases: dict[str, str] = {}  # base id -> the D request waiting on it
+        self._ended_keys: OrderedDict[str, bool] = OrderedDict()  # key -> released (True) / pushed
+        self._owed: list[tuple[dict[str, Any], PushFailReason]] = []
+        # Decoder engine -> PUSH_FAILs that reached none of its agents: owed again once
+        # its dead connection is dropped (the next send re-handshakes).
+        self._owed_after_reset: dict[str, list[tuple[dict[str, Any], PushFailReason]]] = {}
+        self._dropping: set[str] = set()
+        self._writes = 0  # leases WRITING
+        self._last_reap = 0.0
+        # Counters of what the ledger kept from happening (read by tests and stats).
+        self.claimed_past_deadline = 0
+
+    # ------------------------------------------------------------------ views
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    @property
+    def owes(self) -> bool:
+        """PUSH_FAILs wait to be sent (a truth test, no lock)."""
+        return bool(self._owed)
+
+    def state_of(self, req_id: str) -> LeaseState | None:
+        with self._lock:
+            lease = self._leases.get(req_id)
+            return None if lease is None else lease.state
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counts by state (tests, the campaign's end-of-run checks)."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for lease in self._leases.values():
+                counts[lease.state.value] = counts.get(lease.state.value, 0) + 1
+            return {"leases": counts, "prefilling": len(self._prefilling),
+                    "registrations": len(self._registrations), "owed": len(self._owed),
+                    "ended_keys": len(self._ended_keys), "dropping": sorted(self._dropping),
+                    "owed_after_reset": sum(map(len, self._owed_after_reset.values()))}
+
+    def oldest_held(self, now_mono: float) -> tuple[int, float]:
+        """(live leases, age of the oldest in s)."""
+        with self._lock:
+            live = [lease for lease in self._leases.values() if lease.state in _LIVE]
+            oldest = min((lease.granted_at for lease in live), default=now_mono)
+            return len(live), now_mono - oldest
+
+    def lease_history(self, req_id: str) -> tuple[list[int], LeaseFate | None]:
+        """Renewal times (ns) and, if it was released unpushed, its fate."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None:
+                return [], None
+            fate = self._fate(lease) if lease.state is LeaseState.RELEASED else None
+            return list(lease.renewals), fate
+
+    # ------------------------------------------------------------ main thread
+    def grant(self, deadlines: dict[str, float], digests: dict[str, str] | None,
+              now_mono: float) -> None:
+        """Leases vLLM starts this step (its `_reqs_to_send` deadlines)."""
+        with self._lock:
+            for req_id, deadline in deadlines.items():
+                lease = self._leases.get(req_id)
+                if lease is not None and lease.state in _LIVE:
+                    continue
+                keys = self._prefilling.pop(req_id, None) or request_keys(req_id, self._base_of)
+                self._leases[req_id] = Lease(req_id, keys, deadline, now_mono,
+                                             (digests or {}).get(req_id))
+                self._leases.move_to_end(req_id)
+                for key in keys:
+                    self._by_key.setdefault(key, set()).add(req_id)
+            self._trim()
+
+    def note_batch(self, added: Iterable[str], removed: Iterable[str]) -> None:
+        """Requests P started (or stopped) prefilling for a decoder."""
+        with self._lock:
+            for req_id in added:
+                if req_id not in self._prefilling and req_id not in self._leases:
+                    keys = request_keys(req_id, self._base_of)
+                    self._prefilling[req_id] = keys
+                    for key in keys:
+                        self._by_key.setdefault(key, set()).add(req_id)
+            for req_id in removed:
+                keys = self._prefilling.pop(req_id, None)
+                if keys is not None and req_id not in self._leases:
+                    self._unindex(req_id, keys)
+            while len(self._prefilling) > self._limit:
+                req_id, keys = next(iter(self._prefilling.items()))
+                del self._prefilling[req_id]
+                self._unindex(req_id, keys)
+
+    def plan_reap(self, now: float, held: Iterable[str]) -> tuple[list[Released], set[str]]:
+        """Which of vLLM's held leases its reaper releases now, and which it must keep.
+
+        Released: HELD past its deadline, and FAILED (nothing in flight any more).
+        Marked RELEASED here, under the lock: a claim racing this step finds it gone.
+        A lease vLLM holds that the ledger does not know keeps vLLM's own rule.
+        """
+        released: list[Released] = []
+        keep: set[str] = set()
+        with self._lock:
+            previous = self._last_reap
+            self._last_reap = now
+            for req_id in held:
+                lease = self._leases.get(req_id)
+                if lease is None:
+                    continue
+                state = lease.state
+                if (state is LeaseState.HELD and lease.deadline <= now) or state is LeaseState.FAILED:
+                    released.append(Released(req_id, self._fate(lease),
+                                             state is LeaseState.HELD and lease.deadline < previous))
+                    self._end(lease, LeaseState.RELEASED)
+                elif state is LeaseState.RELEASED:  # released, and vLLM still holds it: late
+                    released.append(Released(req_id, self._fate(lease), True))
+                else:
+                    keep.add(req_id)
+        return released, keep
+
+    def deadline_of(self, req_id: str) -> float | None:
+        """The deadline vLLM's map should show for a HELD lease (None otherwise)."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            return lease.deadline if lease is not None and lease.state is LeaseState.HELD else None
+
+    @property
+    def writing(self) -> bool:
+        """Some WRITE is posted and not settled (a truth test for the per-step check)."""
+        return self._writes > 0
+
+    def reconcile(self, granted: Iterable[str], held: dict[str, float]) -> None:
+        """Main, after vLLM's `start_load_kv`: a lease granted ahead of it that vLLM did
+        not start is dropped; the others take vLLM's exact deadline."""
+        with self._lock:
+            for req_id in granted:
+                lease = self._leases.get(req_id)
+                if lease is None or lease.state is not LeaseState.HELD:
+                    continue
+                deadline = held.get(req_id)
+                if deadline is None:
+                    del self._leases[req_id]
+                    self._unindex(req_id, lease.keys)
+                else:
+                    lease.deadline = max(lease.deadline, deadline) if lease.wanted else deadline
+
+    def settle(self, finished_sending: Iterable[str], open_writes: set[str]) -> list[Settled]:
+        """After vLLM's step: WRITEs done (vLLM reported the request) or settled without
+        success (no handle left open, not reported)."""
+        done = set(finished_sending)
+        out: list[Settled] = []
+        with self._lock:
+            for lease in [le for le in self._leases.values() if le.state is LeaseState.WRITING]:
+                if lease.req_id in done:
+                    self._end(lease, LeaseState.PUSHED)
+                    out.append(Settled(lease.req_id, True, None))
+                elif lease.req_id not in open_writes:
+                    self._fail(lease, lease.failure or PushFailReason.PUSH_FAILED)
+                    out.append(Settled(lease.req_id, False, lease.failure))
+            for req_id in done:  # pushed by a path the ledger did not see claimed
+                lease = self._leases.get(req_id)
+                if lease is not None and lease.state in (LeaseState.HELD, LeaseState.CLAIMED):
+                    self._end(lease, LeaseState.PUSHED)
+        return out
+
+    def overdue(self, now: float) -> list[str]:
+        """Claims past `write_timeout_s`: a CLAIMED one fails here (its writer has not
+        posted; it will not now); WRITING ones are returned for the caller to abort."""
+        limit = now - self.write_timeout_s
+        abort: list[str] = []
+        with self._lock:
+            for lease in self._leases.values():
+                if lease.state not in _CLAIMED or lease.claimed_at > limit:
+                    continue
+                if lease.state is LeaseState.CLAIMED:
+                    self._fail(lease, PushFailReason.WRITE_TIMEOUT)
+                elif lease.state is LeaseState.WRITING:
+                    lease.failure = PushFailReason.WRITE_TIMEOUT
+                    abort.append(lease.req_id)
+        return abort
+
+    def aborted(self, req_id: str) -> None:
+        """Main: the WRITE's handles were released by NIXL (nothing moves any more)."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is not None and lease.state is LeaseState.WRITING:
+                self._fail(lease, PushFailReason.WRITE_TIMEOUT)
+
+    def ended(self, req_ids: Iterable[str]) -> None:
+        """Main: vLLM reported these requests done sending (pushed or released)."""
+        with self._lock:
+            for req_id in req_ids:
+                lease = self._leases.get(req_id)
+                if lease is not None and lease.state in _LIVE:
+                    self._end(lease, LeaseState.PUSHED)
+                self._prefilling.pop(req_id, None)
+
+    def forget(self, req_id: str) -> None:
+        """Main: the ended lease's telemetry is done with; its tombstone stays."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is not None and lease.state not in _LIVE:
+                del self._leases[req_id]
+
+    # ----------------------------------------------------------- writer thread
+    def renew(self, hb_ids: Iterable[str], want_d: float | None, now: float,
+              stamp_ns: int) -> tuple[dict[str, int], int]:
+        """A heartbeat: extend the leases it names. Returns (outcome counts by
+        LeaseRenewal value, leases renewed)."""
+        new_deadline = now + self.extension_s
+        outcomes: dict[str, int] = {}
+        renewed = 0
+        with self._lock:
+            for hb_id in hb_ids:
+                targets = self._live_for(hb_id)
+                if targets:
+                    for lease in targets:
+                        if lease.state is LeaseState.HELD:
+                            lease.deadline = max(lease.deadline, new_deadline)
+                        lease.wanted = True
+                        if want_d is not None and (lease.want_d is None or want_d > lease.want_d):
+                            lease.want_d = want_d
+                        if len(lease.renewals) < MAX_RENEWALS_KEPT:
+                            lease.renewals.append(stamp_ns)
+                        renewed += 1
+                    outcome = LeaseRenewal.RENEWED
+                elif self._prefilling_for(hb_id):
+                    outcome = LeaseRenewal.PREFILLING
+                elif any(key in self._ended_keys for key in self._hb_keys(hb_id)):
+                    outcome = LeaseRenewal.ALREADY_DONE
+                else:
+                    outcome = LeaseRenewal.UNKNOWN_REQUEST
+                outcomes[outcome.value] = outcomes.get(outcome.value, 0) + 1
+        return outcomes, renewed
+
+    def intake(self, d_request_id: str) -> Refusal | None:
+        """A PUSH_REG arrived: None to go on, or why it is dropped or refused.
+
+        A duplicate (the same decoder request again) is dropped. One that names a
+        base id another decoder request is already waiting on, or that two live
+        requests of P share, is refused. One whose lease is gone is late.
+        """
+        base = self._base_of(d_request_id)
+        with self._lock:
+            seen = self._registrations.get(d_request_id)
+            if seen is not None:
+                return Refusal(PushRegRejection.DUPLICATE, PushFailReason.LEASE_EXPIRED,
+                               f"registered already ({seen})")
+            waiting = self._pending_bases.get(base)
+            live = self._live_ids(base)
+            if (waiting is not None and waiting != d_request_id) or len(live) > 1:
+                self._note_registration(d_request_id, "refused")
+                return Refusal(PushRegRejection.AMBIGUOUS, PushFailReason.AMBIGUOUS,
+                               f"{len(live)} live prefill request(s) and "
+                               f"{int(waiting is not None)} other registration share its id")
+            if not live and self._ended_keys.get(base):
+                self._note_registration(d_request_id, "refused")
+                return Refusal(PushRegRejection.AFTER_LEASE, PushFailReason.LEASE_EXPIRED,
+                               "this prefill's KV lease for it ended before the PUSH_REG arrived")
+            self._note_registration(d_request_id, "pending")
+            self._pending_bases[base] = d_request_id
+        return None
+
+    def claim(self, p_request_id: str, reg: dict[str, Any], d_digest: str | None,
+              want_d: float | None, now: float) -> Refusal | None:
+        """The writer matched a PUSH_REG to P's finished blocks: claim the lease (None)
+        or refuse. A HELD lease is claimable whatever its deadline says: only the
+        reaper releases, through `plan_reap`."""
+        d_id = reg["request_id"]
+        with self._lock:
+            self._pending_bases.pop(self._base_of(d_id), None)
+            lease = self._leases.get(p_request_id)
+            refusal = None
+            if lease is None or lease.state is LeaseState.RELEASED:
+                refusal = Refusal(PushRegRejection.AFTER_LEASE, PushFailReason.LEASE_EXPIRED,
+                                  "the KV lease ended before the WRITE could start")
+            elif lease.state is not LeaseState.HELD:
+                refusal = Refusal(PushRegRejection.AMBIGUOUS, PushFailReason.AMBIGUOUS,
+                                  f"the prefill is {lease.state.value} by another registration")
+            elif len(self._live_ids(self._base_of(p_request_id))) > 1:
+                refusal = Refusal(PushRegRejection.AMBIGUOUS, PushFailReason.AMBIGUOUS,
+                                  "two live prefill requests share its id")
+            elif d_digest is not None and lease.digest is not None and d_digest != lease.digest:
+                refusal = Refusal(PushRegRejection.PROMPT_MISMATCH, PushFailReason.PROMPT_MISMATCH,
+                                  "its prompt differs from the prefill request of that id")
+            if refusal is not None:
+                self._note_registration(d_id, "refused")
+                return refusal
+            assert lease is not None
+            if lease.deadline <= now:
+                self.claimed_past_deadline += 1
+            lease.state = LeaseState.CLAIMED
+            lease.claimed_at = now
+            lease.reg = reg
+            lease.d_request_id = d_id
+            lease.engine = reg.get("decode_engine_id")
+            if want_d is not None and (lease.want_d is None or want_d > lease.want_d):
+                lease.want_d = want_d
+            self._note_registration(d_id, "claimed")
+        return None
+
+    def begin_post(self, p_request_id: str, d_clock_offset: float | None,
+                   now: float) -> Refusal | str | None:
+        """The writer is about to post the claimed lease's WRITEs: None to go on,
+        "retry" while its decoder's connection is being dropped, or a Refusal (the
+        lease then FAILED, its PUSH_FAIL owed)."""
+        with self._lock:
+            lease = self._leases.get(p_request_id)
+            if lease is None or lease.state is not LeaseState.CLAIMED:
+                return Refusal(None, PushFailReason.WRITE_TIMEOUT,
+                               f"the claim ended before the WRITE ({lease.state.value if lease else 'gone'})")
+            if lease.engine in self._dropping:
+                return "retry"
+            # (The decoder's clock = ours + offset.) The decoder keeps given-up blocks a
+            # lease plus the WRITE timeout after its last "still wanted": a WRITE
+            # posted later than a lease after it could outlive them.
+            if (lease.want_d is not None and d_clock_offset is not None
+                    and now + d_clock_offset > lease.want_d + self.lease_s - self.margin_s):
+                refusal = Refusal(None, PushFailReason.REGISTRATION_STALE,
+                                  "the decoder last asked for this KV more than a lease ago")
+                self._fail(lease, refusal.reason)
+                return refusal
+            lease.state = LeaseState.POSTING
+        return None
+
+    def posted(self, p_request_id: str, handles: int) -> None:
+        """The writer published the lease's WRITE handles (none: the push failed)."""
+        with self._lock:
+            lease = self._leases.get(p_request_id)
+            if lease is None or lease.state is not LeaseState.POSTING:
+                return
+            if handles > 0:
+                lease.state = LeaseState.WRITING
+                lease.handles = handles
+                self._writes += 1
+            else:
+                self._fail(lease, PushFailReason.PUSH_FAILED)
+
+    def fail(self, p_request_id: str, reason: PushFailReason) -> bool:
+        """A claim that posted nothing ends (handshake or set-up failed); for WRITING
+        leases, the reason is kept for when its WRITEs settle. True if it failed now."""
+        with self._lock:
+            lease = self._leases.get(p_request_id)
+            if lease is None:
+                return False
+            if lease.state in (LeaseState.CLAIMED, LeaseState.POSTING):
+                self._fail(lease, reason)
+                return True
+            if lease.state is LeaseState.WRITING and lease.failure is None:
+                lease.failure = reason
+            return False
+
+    def take_owed(self) -> list[tuple[dict[str, Any], PushFailReason]]:
+        """Writer: the PUSH_FAILs to send now (each once)."""
+        if not self._owed:
+            return []
+        with self._lock:
+            owed, self._owed = self._owed, []
+        return owed
+
+    def owe(self, reg: dict[str, Any], reason: PushFailReason) -> None:
+        """A PUSH_FAIL for a registration P never claimed (refused, unmatched)."""
+        with self._lock:
+            self._note_registration(reg.get("request_id", ""), "refused")
+            self._owed.append((reg, reason))
+
+    def owe_after_reset(self, engine_id: str, reg: dict[str, Any], reason: PushFailReason) -> None:
+        """A PUSH_FAIL reached none of the decoder's agents: owed again after the drop."""
+        with self._lock:
+            self._owed_after_reset.setdefault(engine_id, []).append((reg, reason))
+
+    def connection_reset(self, engine_id: str) -> None:
+        """Main: the decoder's connection was dropped: what waited for that is owed now."""
+        with self._lock:
+            self._owed.extend(self._owed_after_reset.pop(engine_id, ()))
+
+    def forget_owed(self, engine_id: str) -> list[tuple[dict[str, Any], PushFailReason]]:
+        """The decoder engine is forgotten: its PUSH_FAILs are undeliverable."""
+        with self._lock:
+            return self._owed_after_reset.pop(engine_id, [])
+
+    def unmatched(self, d_request_id: str) -> None:
+        """The writer gave up waiting for a prefill for this registration."""
+        with self._lock:
+            base = self._base_of(d_request_id)
+            if self._pending_bases.get(base) == d_request_id:
+                del self._pending_bases[base]
+            self._note_registration(d_request_id, "refused")
+
+    # ------------------------------------------------------------ any thread
+    def begin_drop(self, engine_id: str) -> bool:
+        """Main: the connection to `engine_id` may be dropped now (no WRITE to it is
+        being posted or in flight); later posts to it retry until `end_drop`."""
+        with self._lock:
+            for lease in self._leases.values():
+                if lease.engine == engine_id and lease.state in (LeaseState.POSTING, LeaseState.WRITING):
+                    return False
+            self._dropping.add(engine_id)
+            return True
+
+    def end_drop(self, engine_id: str) -> None:
+        with self._lock:
+            self._dropping.discard(engine_id)
+
+    def target_of(self, req_id: str) -> str | None:
+        """The decoder engine a claimed lease is pushed to."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            return None if lease is None else lease.engine
+
+    def writes_to(self, engine_id: str) -> bool:
+        with self._lock:
+            return any(lease.engine == engine_id and lease.state in _CLAIMED
+                       for lease in self._leases.values())
+
+    # -------------------------------------------------------------- internals
+    def _hb_keys(self, hb_id: str) -> tuple[str, ...]:
+        base = self._base_of(hb_id)
+        return (hb_id, base) if base != hb_id else (hb_id,)
+
+    def _live_for(self, hb_id: str) -> list[Lease]:
+        """The live leases a heartbeat id names (by internal, base or router id)."""
+        for key in self._hb_keys(hb_id):
+            found = [self._leases[r] for r in self._by_key.get(key, ())
+                     if r in self._leases and self._leases[r].state in _LIVE]
+            if found:
+                return found
+        return []
+
+    def _prefilling_for(self, hb_id: str) -> bool:
+        return any(r in self._prefilling for key in self._hb_keys(hb_id)
+                   for r in self._by_key.get(key, ()))
+
+    def _live_ids(self, base: str) -> set[str]:
+        ids = self._by_key.get(base) or set()
+        return {r for r in ids if r in self._prefilling
+                or (r in self._leases and self._leases[r].state in _LIVE)}
+
+    def _fate(self, lease: Lease) -> LeaseFate:
+        if lease.failure is not None and lease.failure is not PushFailReason.LEASE_EXPIRED:
+            return LeaseFate.PUSH_FAILED
+        if lease.d_request_id is not None:
+            return LeaseFate.REGISTERED
+        return LeaseFate.WAITING if lease.wanted else LeaseFate.UNCLAIMED
+
+    def _fail(self, lease: Lease, reason: PushFailReason) -> None:
+        if lease.state is LeaseState.WRITING:
+            self._writes -= 1
+        lease.state = LeaseState.FAILED
+        lease.failure = reason
+        if lease.d_request_id is not None:
+            self._registrations[lease.d_request_id] = "failed"
+        if lease.reg is not None:
+            self._owed.append((lease.reg, reason))
+
+    def _end(self, lease: Lease, state: LeaseState) -> None:
+        if lease.state is LeaseState.WRITING:
+            self._writes -= 1
+        lease.state = state
+        if lease.d_request_id is not None and state is LeaseState.PUSHED:
+            self._registrations[lease.d_request_id] = "pushed"
+        self._unindex(lease.req_id, lease.keys)
+        for key in lease.keys[1:]:
+            self._ended_keys[key] = state is LeaseState.RELEASED
+            self._ended_keys.move_to_end(key)
+        while len(self._ended_keys) > self._limit:
+            self._ended_keys.popitem(last=False)
+
+    def _unindex(self, req_id: str, keys: tuple[str, ...]) -> None:
+        for key in keys:
+            ids = self._by_key.get(key)
+            if ids is not None:
+                ids.discard(req_id)
+                if not ids:
+                    del self._by_key[key]
+
+    def _note_registration(self, d_request_id: str, what: str) -> None:
+        self._registrations[d_request_id] = what
+        self._registrations.move_to_end(d_request_id)
+        while len(self._registrations) > self._limit:
+            self._registrations.popitem(last=False)
+
+    def _trim(self) -> None:
+        """Past the bound, the oldest ENDED leases go first; a live one is never
+        dropped (its blocks are held: vLLM's reaper still releases it)."""
+        if len(self._leases) <= self._limit:
+            return
+        for req_id in [r for r, le in self._leases.items() if le.state not in _LIVE]:
+            del self._leases[req_id]
+            if len(self._leases) <= self._limit:
+                return

@@ -1,0 +1,258 @@
+"""D's receives, from the registration vLLM hands the worker until the KV landed or
+the receive failed, under one lock.
+
+The main thread starts receives, fails them and learns they ended; the writer sends
+their PUSH_REGs. A receive is failed at once only when no WRITE into its blocks can
+come: its PUSH_REG never left, P said so (PUSH_FAIL), or the P process that could
+WRITE is gone (a new agent answers under its engine id). Otherwise (the client went
+away, the registration timed out, P stopped answering) the receive is *abandoned*:
+its heartbeats stop at once, and it fails when `safe_at` passes, a lease plus the
+WRITE timeout after the decoder last asked for the KV. A fork P never posts a WRITE
+more than a lease after that last ask and aborts any WRITE older than the timeout,
+so by then nothing can land in the blocks vLLM is about to free.
+
+The state machine is the table in docs/architecture.md ("Push state").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from connector.vocabulary import ReceiveAbandon, ReceiveFailure
+
+MAX_RECEIVES = 65536
+
+
+class ReceiveState(StrEnum):
+    QUEUED = "queued"  # handed to the writer, PUSH_REG not sent
+    SENDING = "sending"  # the writer is sending the PUSH_REG
+    REGISTERED = "registered"  # the PUSH_REG reached at least one of P's agents
+    UNDELIVERED = "undelivered"  # it reached none (kept to send again once reconnected)
+    ABANDONED = "abandoned"  # given up: failed once `safe_at` passes, unless it lands first
+    FAILING = "failing"  # handed to vLLM to fail (reported on its next step)
+    DONE = "done"
+
+
+_WAITING = frozenset({ReceiveState.QUEUED, ReceiveState.SENDING, ReceiveState.REGISTERED,
+                      ReceiveState.UNDELIVERED})
+
+
+@dataclass(slots=True)
+class Receive:
+    req_id: str
+    engine: str | None
+    started_at: float  # monotonic
+    state: ReceiveState = ReceiveState.QUEUED
+    agents: frozenset[str] = frozenset()
+    reg: dict[str, Any] | None = None
+    last_want: float = 0.0  # monotonic: PUSH_REG sent, or last heartbeat naming it
+    safe_at: float = 0.0  # monotonic, while ABANDONED
+    abandon: ReceiveAbandon | None = None
+    failure: ReceiveFailure | None = None
+
+
+class ReceiveLedger:
+    """See module docstring. `hold_s`: lease + WRITE timeout + margin (how long after
+    the decoder's last ask a WRITE may still land)."""
+
+    def __init__(self, hold_s: float, limit: int = MAX_RECEIVES):
+        self.hold_s = hold_s
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._receives: OrderedDict[str, Receive] = OrderedDict()
+        self._abandoned = 0
+
+    def __len__(self) -> int:
+        return len(self._receives)
+
+    @property
+    def abandoned(self) -> bool:
+        """Some receive waits for its safe point (a truth test, no lock)."""
+        return self._abandoned > 0
+
+    def state_of(self, req_id: str) -> ReceiveState | None:
+        with self._lock:
+            rec = self._receives.get(req_id)
+            return None if rec is None else rec.state
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            counts: dict[str, int] = {}
+            for rec in self._receives.values():
+                counts[rec.state.value] = counts.get(rec.state.value, 0) + 1
+            return counts
+
+    # ------------------------------------------------------------ main thread
+    def start(self, registrations: dict[str, dict[str, Any]], now: float) -> None:
+        with self._lock:
+            for req_id, reg in registrations.items():
+                if req_id in self._receives:
+                    continue
+                self._receives[req_id] = Receive(req_id, reg.get("remote_engine_id"), now,
+                                                 reg=reg, last_want=now)
+            while len(self._receives) > self._limit:
+                _, old = self._receives.popitem(last=False)
+                if old.state is ReceiveState.ABANDONED:
+                    self._abandoned -= 1
+
+    def wanted(self, req_ids: set[str]) -> set[str]:
+        """Of the requests a heartbeat would name, those still wanted (abandoned and
+        failing ones are left out)."""
+        with self._lock:
+            return {r for r in req_ids if (rec := self._receives.get(r)) is None
+                    or rec.state in _WAITING}
+
+    def asked(self, req_ids: set[str], now: float) -> None:
+        """A heartbeat naming these requests left now: their last ask moves to `now`."""
+        with self._lock:
+            for req_id in req_ids:
+                rec = self._receives.get(req_id)
+                if rec is not None and rec.state in _WAITING:
+                    rec.last_want = now
+
+    def give_up(self, req_id: str, why: ReceiveAbandon, now: float) -> bool:
+        """Stop waiting for this receive. True: fail it now (no WRITE can come);
+        False: it is abandoned (or already over) and fails at its safe point."""
+        with self._lock:
+            rec = self._receives.get(req_id)
+            if rec is None:
+                return False
+            if rec.state in (ReceiveState.QUEUED, ReceiveState.UNDELIVERED):
+                rec.state = ReceiveState.FAILING
+                rec.failure = ReceiveFailure.ABANDONED
+                rec.abandon = why
+                return True
+            if rec.state in (ReceiveState.SENDING, ReceiveState.REGISTERED):
+                rec.state = ReceiveState.ABANDONED
+                rec.abandon = why
+                rec.safe_at = max(rec.last_want, now) + self.hold_s
+                self._abandoned += 1
+            return False
+
+    def due(self, now: float) -> list[tuple[str, ReceiveAbandon]]:
+        """Abandoned receives whose blocks no WRITE can reach any more: fail them now."""
+        if not self._abandoned:
+            return []
+        out = []
+        with self._lock:
+            for rec in self._receives.values():
+                if rec.state is ReceiveState.ABANDONED and rec.safe_at <= now:
+                    rec.state = ReceiveState.FAILING
+                    rec.failure = ReceiveFailure.ABANDONED
+                    self._abandoned -= 1
+                    out.append((rec.req_id, rec.abandon or ReceiveAbandon.TIMED_OUT))
+        return out
+
+    def fail(self, req_id: str, why: ReceiveFailure) -> bool:
+        """P said the KV will not come (PUSH_FAIL), or the P process is gone: fail now.
+        True when the receive was waiting (the caller hands it to vLLM)."""
+        with self._lock:
+            rec = self._receives.get(req_id)
+            if rec is None or rec.state in (ReceiveState.FAILING, ReceiveState.DONE):
+                return False
+            if rec.state is ReceiveState.ABANDONED:
+                self._abandoned -= 1
+            rec.state = ReceiveState.FAILING
+            rec.failure = why
+            return True
+
+    def note_failure(self, req_id: str, why: ReceiveFailure) -> None:
+        """vLLM fails this receive itself (e.g. its registration handshake failed)."""
+        with self._lock:
+            rec = self._receives.get(req_id)
+            if rec is not None and rec.failure is None:
+                rec.failure = why
+
+    def over(self, req_id: str) -> ReceiveFailure | None:
+        """vLLM reported the receive finished (landed or failed): why we failed it."""
+        with self._lock:
+            rec = self._receives.pop(req_id, None)
+            if rec is None:
+                return None
+            if rec.state is ReceiveState.ABANDONED:
+                self._abandoned -= 1
+            return rec.failure
+
+    def registered_on(self, engine_id: str, agents: frozenset[str]) -> list[str]:
+        """Receives whose PUSH_REG reached only these (now gone) agents of `engine_id`."""
+        with self._lock:
+            return [r.req_id for r in self._receives.values()
+                    if r.engine == engine_id and r.agents and r.agents <= agents
+                    and r.state in (ReceiveState.REGISTERED, ReceiveState.ABANDONED)]
+
+    def waiting_on(self, engine_id: str) -> list[str]:
+        """Receives still waiting for this engine (not abandoned, not over)."""
+        with self._lock:
+            return [r.req_id for r in self._receives.values() if r.engine == engine_id
+                    and r.state in _WAITING]
+
+    def engines_waited_on(self) -> set[str]:
+        """Prefills that hold a PUSH_REG of a receive still waiting."""
+        with self._lock:
+            return {r.engine for r in self._receives.values() if r.engine is not None
+                    and r.state is ReceiveState.REGISTERED}
+
+    def address_of(self, engine_id: str) -> tuple[str, int] | None:
+        """The side-channel address of a prefill, from a registration that names it."""
+        with self._lock:
+            for rec in self._receives.values():
+                reg = rec.reg
+                if rec.engine == engine_id and reg and isinstance(reg.get("remote_host"), str) \
+                        and isinstance(reg.get("remote_port"), int):
+                    return reg["remote_host"], reg["remote_port"]
+            return None
+
+    def take_undelivered(self, engine_id: str) -> list[tuple[str, dict[str, Any]]]:
+        """Main, once reconnected: PUSH_REGs that reached no agent, to send again."""
+        with self._lock:
+            out = []
+            for rec in self._receives.values():
+                if rec.engine == engine_id and rec.state is ReceiveState.UNDELIVERED and rec.reg:
+                    rec.state = ReceiveState.QUEUED
+                    out.append((rec.req_id, rec.reg))
+            return out
+
+    # ----------------------------------------------------------- writer thread
+    def begin_send(self, req_id: str) -> bool:
+        """The writer is about to send this receive's PUSH_REG: False if it must not
+        (given up, or failing)."""
+        with self._lock:
+            rec = self._receives.get(req_id)
+            if rec is None:
+                return True  # (not started through us: vLLM's own path)
+            if rec.state in (ReceiveState.QUEUED, ReceiveState.UNDELIVERED, ReceiveState.SENDING,
+                             ReceiveState.REGISTERED):
+                rec.state = ReceiveState.SENDING
+                return True
+            return False
+
+    def sent(self, req_id: str, reg: dict[str, Any], agents: frozenset[str], reached: int,
+             now: float) -> bool:
+        """Where the PUSH_REG went. True when it reached no agent of a receive given up
+        meanwhile (the caller fails it now: no WRITE can come)."""
+        with self._lock:
+            rec = self._receives.get(req_id)
+            if rec is None:
+                return False
+            rec.reg = reg
+            if reached > 0:
+                rec.agents = rec.agents | agents
+                rec.last_want = max(rec.last_want, now)
+                if rec.state is ReceiveState.SENDING:
+                    rec.state = ReceiveState.REGISTERED
+                elif rec.state is ReceiveState.ABANDONED:
+                    rec.safe_at = max(rec.safe_at, now + self.hold_s)
+                return False
+            if rec.state is ReceiveState.SENDING:
+                rec.state = ReceiveState.UNDELIVERED
+                return False
+            if rec.state is ReceiveState.ABANDONED and not rec.agents:
+                self._abandoned -= 1
+                rec.state = ReceiveState.FAILING
+                rec.failure = ReceiveFailure.ABANDONED
+                return True
+            return False

@@ -1,0 +1,375 @@
+"""The push state's owners (connector/state) on their own: no vLLM worker, no NIXL.
+
+Each rule of docs/architecture.md ("Push state") is a test here; a stateful test
+drives random interleavings of the main thread's and the writer's calls and checks the
+invariants after every step; a threaded test races the writer's claims against the
+main thread's reaper on real threads.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
+
+from connector.state.leases import LeaseLedger, Refusal
+from connector.state.peers import PeerTable
+from connector.state.receives import ReceiveLedger, ReceiveState
+from connector.vocabulary import (
+    LeaseRenewal,
+    LeaseState,
+    PeerReset,
+    PushFailReason,
+    PushRegRejection,
+    ReceiveAbandon,
+    ReceiveFailure,
+)
+
+LEASE_S, EXT_S, WRITE_S, MARGIN_S = 30.0, 20.0, 10.0, 1.0
+
+
+def ledger(limit: int = 1000) -> LeaseLedger:
+    return LeaseLedger(lease_s=LEASE_S, extension_s=EXT_S, write_timeout_s=WRITE_S, margin_s=MARGIN_S,
+                       base_of=get_base_request_id, limit=limit)
+
+
+def p_id(base: str, suffix: str = "aaaaaaaa") -> str:
+    return f"cmpl-{base}-0-{suffix}"
+
+
+def reg(base: str, suffix: str = "dddddddd", engine: str = "decode-0", **extra) -> dict:
+    return {"request_id": f"cmpl-{base}-0-{suffix}", "decode_engine_id": engine, **extra}
+
+
+# ------------------------------------------------------------------ leases
+def test_a_held_lease_past_its_deadline_is_claimable_until_the_reaper_releases_it():
+    """The starved prefill: the writer matches a PUSH_REG after the deadline passed but
+    before the main thread's reaper ran. The blocks are still held: the WRITE goes on."""
+    leases = ledger()
+    leases.grant({p_id("a"): 100.0}, None, 0.0)
+    assert leases.claim(p_id("a"), reg("a"), None, None, now=150.0) is None
+    assert leases.claimed_past_deadline == 1
+    released, keep = leases.plan_reap(200.0, [p_id("a")])
+    assert released == [] and keep == {p_id("a")}
+
+
+def test_the_reaper_releases_what_expired_and_a_claim_after_that_is_refused_as_late():
+    leases = ledger()
+    leases.grant({p_id("a"): 100.0}, None, 0.0)
+    (released,), _ = leases.plan_reap(100.0, [p_id("a")])
+    assert released.req_id == p_id("a")
+    refusal = leases.claim(p_id("a"), reg("a"), None, None, now=100.1)
+    assert isinstance(refusal, Refusal) and refusal.reason is PushFailReason.LEASE_EXPIRED
+    # A later PUSH_REG naming it is late (no live request of that id is left).
+    late = leases.intake(reg("a", "eeeeeeee")["request_id"])
+    assert late is not None and late.rejection is PushRegRejection.AFTER_LEASE
+
+
+def test_a_renewal_read_by_the_writer_counts_at_the_next_reaper_pass():
+    leases = ledger()
+    leases.grant({p_id("a"): 100.0}, None, 0.0)
+    outcomes, renewed = leases.renew([reg("a")["request_id"]], None, now=99.0, stamp_ns=1)
+    assert outcomes == {LeaseRenewal.RENEWED.value: 1} and renewed == 1
+    assert leases.plan_reap(110.0, [p_id("a")])[0] == []  # renewed to 99 + 20
+    assert [r.req_id for r in leases.plan_reap(119.0, [p_id("a")])[0]] == [p_id("a")]
+
+
+def test_a_push_fail_is_owed_only_once_every_write_of_the_request_settled():
+    leases = ledger()
+    leases.grant({p_id("a"): 100.0}, None, 0.0)
+    r = reg("a", nixl_observed_caps=["push_fail"])
+    assert leases.claim(p_id("a"), r, None, None, now=1.0) is None
+    assert leases.begin_post(p_id("a"), None, now=1.0) is None
+    leases.posted(p_id("a"), handles=2)
+    leases.fail(p_id("a"), PushFailReason.PUSH_FAILED)  # one rank's WRITE failed
+    assert leases.take_owed() == []  # the other rank may still be writing
+    assert leases.settle([], open_writes={p_id("a")}) == []
+    (settled,) = leases.settle([], open_writes=set())
+    assert not settled.pushed and settled.failure is PushFailReason.PUSH_FAILED
+    assert leases.take_owed() == [(r, PushFailReason.PUSH_FAILED)]
+    # Released at the next pass, as vLLM's reaper would release it.
+    assert [x.req_id for x in leases.plan_reap(2.0, [p_id("a")])[0]] == [p_id("a")]
+
+
+def test_a_write_past_its_timeout_is_returned_for_abort_and_an_unposted_claim_fails():
+    leases = ledger()
+    leases.grant({p_id("a"): 1000.0, p_id("b"): 1000.0}, None, 0.0)
+    for name in ("a", "b"):
+        assert leases.claim(p_id(name), reg(name), None, None, now=1.0) is None
+    assert leases.begin_post(p_id("a"), None, now=1.0) is None
+    leases.posted(p_id("a"), handles=1)
+    assert leases.overdue(1.0 + WRITE_S - 0.1) == []
+    assert leases.overdue(1.0 + WRITE_S) == [p_id("a")]
+    assert leases.state_of(p_id("b")) is LeaseState.FAILED  # the writer never posted
+    assert isinstance(leases.begin_post(p_id("b"), None, now=12.0), Refusal)
+    leases.aborted(p_id("a"))
+    assert leases.state_of(p_id("a")) is LeaseState.FAILED
+
+
+def test_two_live_requests_sharing_an_id_are_never_matched_by_guess():
+    leases = ledger()
+    leases.grant({p_id("x", "11111111"): 100.0}, None, 0.0)
+    leases.note_batch([p_id("x", "22222222")], [])  # the other one still prefills
+    d = reg("x")["request_id"]
+    refusal = leases.intake(d)
+    assert refusal is not None and refusal.rejection is PushRegRejection.AMBIGUOUS
+    refusal = leases.claim(p_id("x", "11111111"), reg("x"), None, None, now=1.0)
+    assert refusal is not None and refusal.reason is PushFailReason.AMBIGUOUS
+
+
+def test_a_second_registration_for_an_id_one_is_waiting_on_is_refused():
+    leases = ledger()
+    leases.note_batch([p_id("x")], [])
+    assert leases.intake(reg("x", "dddddddd")["request_id"]) is None
+    refusal = leases.intake(reg("x", "eeeeeeee")["request_id"])
+    assert refusal is not None and refusal.rejection is PushRegRejection.AMBIGUOUS
+
+
+def test_a_prompt_that_differs_from_the_prefills_is_refused():
+    leases = ledger()
+    leases.grant({p_id("a"): 100.0}, {p_id("a"): "digest-of-prompt-1"}, 0.0)
+    refusal = leases.claim(p_id("a"), reg("a"), "digest-of-prompt-2", None, now=1.0)
+    assert refusal is not None and refusal.rejection is PushRegRejection.PROMPT_MISMATCH
+    assert leases.state_of(p_id("a")) is LeaseState.HELD  # left for its own decoder
+    assert leases.claim(p_id("a"), reg("a", "ffffffff"), "digest-of-prompt-1", None, now=1.0) is None
+
+
+def test_a_duplicated_push_reg_is_dropped_not_acted_on_twice():
+    leases = ledger()
+    leases.note_batch([p_id("a")], [])
+    d = reg("a")["request_id"]
+    assert leases.intake(d) is None
+    refusal = leases.intake(d)
+    assert refusal is not None and refusal.rejection is PushRegRejection.DUPLICATE
+
+
+def test_no_write_is_posted_to_a_connection_being_dropped_nor_dropped_under_a_write():
+    leases = ledger()
+    leases.grant({p_id("a"): 100.0, p_id("b"): 100.0}, None, 0.0)
+    assert leases.claim(p_id("a"), reg("a", engine="d1"), None, None, now=1.0) is None
+    assert leases.begin_drop("d1")  # claimed, not posted yet: may drop
+    assert leases.begin_post(p_id("a"), None, now=1.0) == "retry"
+    leases.end_drop("d1")
+    assert leases.begin_post(p_id("a"), None, now=1.0) is None
+    assert not leases.begin_drop("d1")  # posting
+    leases.posted(p_id("a"), 1)
+    assert not leases.begin_drop("d1")  # in flight
+
+
+def test_no_write_is_posted_more_than_a_lease_after_the_decoder_last_asked():
+    leases = ledger()
+    leases.grant({p_id("a"): 1000.0}, None, 0.0)
+    # D's clock runs 500 s ahead of ours (offset = D - P).
+    assert leases.claim(p_id("a"), reg("a"), None, want_d=510.0, now=10.0) is None
+    fresh_until = 510.0 + LEASE_S - MARGIN_S - 500.0  # in our clock
+    leases.renew([reg("a")["request_id"]], 520.0, now=20.0, stamp_ns=1)  # a heartbeat
+    assert leases.begin_post(p_id("a"), 500.0, now=fresh_until + 10.0 - 0.01) is None
+    leases2 = ledger()
+    leases2.grant({p_id("a"): 1000.0}, None, 0.0)
+    leases2.claim(p_id("a"), reg("a"), None, want_d=510.0, now=10.0)
+    refusal = leases2.begin_post(p_id("a"), 500.0, now=fresh_until + 0.01)
+    assert isinstance(refusal, Refusal) and refusal.reason is PushFailReason.REGISTRATION_STALE
+
+
+def test_the_ledger_is_bounded_and_never_drops_a_live_lease():
+    leases = ledger(limit=4)
+    leases.grant({p_id(f"r{i}"): 100.0 for i in range(6)}, None, 0.0)
+    assert len(leases) == 6  # all live: none dropped (their blocks are held)
+    released, _ = leases.plan_reap(200.0, [p_id(f"r{i}") for i in range(6)])
+    assert len(released) == 6
+    leases.grant({p_id("new"): 300.0}, None, 0.0)
+    assert len(leases) == 4 and leases.state_of(p_id("new")) is LeaseState.HELD
+    assert leases.snapshot()["ended_keys"] <= 2 * 4
+
+
+def test_claims_and_the_reaper_racing_on_real_threads_never_share_a_lease():
+    """The writer claims and posts every lease as it comes; the main thread reaps with
+    a clock past every deadline. Each lease ends claimed or released, never both."""
+    leases = ledger()
+    n = 2000
+    ids = [p_id(f"r{i}") for i in range(n)]
+    leases.grant(dict.fromkeys(ids, 0.0), None, 0.0)  # all past their deadline
+    claimed: list[str] = []
+    start = threading.Barrier(2)
+
+    def writer() -> None:
+        start.wait()
+        for i, req_id in enumerate(ids):
+            if leases.claim(req_id, reg(f"r{i}"), None, None, now=1.0) is None:
+                claimed.append(req_id)
+                assert leases.begin_post(req_id, None, now=1.0) is None
+                leases.posted(req_id, 1)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    start.wait()
+    released: set[str] = set()
+    while thread.is_alive() or not released | set(claimed) >= set(ids):
+        out, _ = leases.plan_reap(1.0, [r for r in ids if r not in released])
+        released |= {x.req_id for x in out}
+    thread.join()
+    assert not released & set(claimed)
+    assert released | set(claimed) == set(ids)
+    assert all(leases.state_of(r) is LeaseState.WRITING for r in claimed)
+
+
+class LeaseMachine(RuleBasedStateMachine):
+    """Random interleavings of every call; the invariants hold after each."""
+
+    @initialize()
+    def setup(self) -> None:
+        self.leases = ledger()
+        self.now = 0.0
+        self.ids = [p_id(f"r{i}") for i in range(4)]
+        self.held: set[str] = set()  # what "vLLM" still holds
+        self.open: set[str] = set()  # requests with open WRITE handles
+        self.released: set[str] = set()
+
+    @rule(i=st.integers(0, 3), dt=st.floats(0.0, 40.0))
+    def grant(self, i: int, dt: float) -> None:
+        req = self.ids[i]
+        if req in self.held or req in self.released:
+            return
+        self.leases.grant({req: self.now + dt}, None, self.now)
+        self.held.add(req)
+
+    @rule(dt=st.floats(0.0, 15.0))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+
+    @rule(i=st.integers(0, 3))
+    def heartbeat(self, i: int) -> None:
+        self.leases.renew([reg(f"r{i}")["request_id"]], None, self.now, 0)
+
+    @rule(i=st.integers(0, 3))
+    def claim_and_post(self, i: int) -> None:
+        req = self.ids[i]
+        if self.leases.claim(req, reg(f"r{i}"), None, None, self.now) is None:
+            assert req not in self.released, "a released lease was claimed"
+            if self.leases.begin_post(req, None, self.now) is None:
+                self.leases.posted(req, 1)
+                self.open.add(req)
+
+    @rule(i=st.integers(0, 3))
+    def write_settles(self, i: int) -> None:
+        self.open.discard(self.ids[i])
+
+    @rule()
+    def main_step(self) -> None:
+        out, _ = self.leases.plan_reap(self.now, sorted(self.held))
+        for item in out:
+            assert item.req_id not in self.open, "released under an open WRITE"
+            self.held.discard(item.req_id)
+            self.released.add(item.req_id)
+        self.leases.settle([], set(self.open))
+        for req in self.leases.overdue(self.now):
+            self.open.discard(req)  # (aborted)
+            self.leases.aborted(req)
+
+    @precondition(lambda self: hasattr(self, "leases"))
+    @invariant()
+    def a_write_in_flight_holds_its_lease(self) -> None:
+        for req in self.open:
+            assert self.leases.state_of(req) is LeaseState.WRITING
+            assert req in self.held
+
+
+TestLeaseMachine = LeaseMachine.TestCase
+TestLeaseMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# ---------------------------------------------------------------- receives
+def test_a_receive_given_up_before_its_push_reg_left_fails_at_once():
+    receives = ReceiveLedger(hold_s=40.0)
+    receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
+    assert receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=1.0)
+    assert not receives.begin_send("d1")  # the writer sends nothing for it
+
+
+def test_a_registered_receive_given_up_fails_only_after_its_hold():
+    receives = ReceiveLedger(hold_s=40.0)
+    receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
+    assert receives.begin_send("d1")
+    receives.sent("d1", {}, frozenset({"agent"}), reached=1, now=2.0)
+    receives.asked({"d1"}, now=5.0)  # a heartbeat named it
+    assert not receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=6.0)
+    assert receives.wanted({"d1"}) == set()  # heartbeats stop naming it
+    assert receives.due(45.9) == []
+    assert receives.due(46.0) == [("d1", ReceiveAbandon.CLIENT_GONE)]
+    assert receives.over("d1") is ReceiveFailure.ABANDONED
+
+
+def test_a_given_up_receive_whose_push_reg_reached_nobody_fails_at_once():
+    receives = ReceiveLedger(hold_s=40.0)
+    receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
+    assert receives.begin_send("d1")
+    assert not receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=1.0)  # may be on its way
+    assert receives.sent("d1", {}, frozenset({"agent"}), reached=0, now=1.1)
+
+
+def test_a_push_fail_fails_a_waiting_receive_once():
+    receives = ReceiveLedger(hold_s=40.0)
+    receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
+    receives.begin_send("d1")
+    receives.sent("d1", {}, frozenset({"agent"}), reached=1, now=1.0)
+    assert receives.fail("d1", ReceiveFailure.LEASE_EXPIRED)
+    assert not receives.fail("d1", ReceiveFailure.LEASE_EXPIRED)
+    assert receives.state_of("d1") is ReceiveState.FAILING
+
+
+def test_the_receive_ledger_is_bounded():
+    receives = ReceiveLedger(hold_s=1.0, limit=3)
+    receives.start({f"d{i}": {"remote_engine_id": "p"} for i in range(5)}, now=0.0)
+    assert len(receives) == 3
+
+
+# ------------------------------------------------------------------- peers
+def test_contact_is_an_answer_not_a_send():
+    peers = PeerTable(forget_after_s=100.0)
+    peers.connected("p", frozenset({"a1"}), now=1.0)
+    assert peers.last_contact("p") == 1.0
+    peers.heard_from("a1", now=5.0)
+    assert peers.last_contact("p") == 5.0
+    assert peers.begin_probe("p", now=9.0, quiet_s=3.0)
+    assert not peers.begin_probe("p", now=9.5, quiet_s=3.0)  # one probe out at a time
+    peers.answered("p", now=10.0)
+    assert peers.last_contact("p") == 10.0
+
+
+def test_a_peer_back_with_a_new_agent_restarted_and_one_silent_past_the_bound_is_forgotten():
+    peers = PeerTable(forget_after_s=100.0)
+    peers.connected("p", frozenset({"a1"}), now=1.0)
+    peers.failed("p", PeerReset.NOTIFICATION_FAILED, "a1")
+    assert peers.need_tending
+    peers.dropped("p", frozenset({"a1"}), PeerReset.NOTIFICATION_FAILED, now=2.0, kept_transfer_info=True)
+    assert peers.drop_reason("p") == PeerReset.NOTIFICATION_FAILED.value
+    assert peers.connected("p", frozenset({"a2"}), now=3.0) == (True, frozenset({"a1"}))
+    peers.dropped("p", frozenset({"a2"}), PeerReset.SILENT, now=4.0, kept_transfer_info=False)
+    assert peers.forget_silent(103.9) == []
+    (gone,) = peers.forget_silent(104.0)
+    assert gone.engine_id == "p" and len(peers) == 0 and not peers.need_tending
+
+
+def test_the_peer_table_is_bounded_and_evicts_dropped_peers_first():
+    peers = PeerTable(forget_after_s=100.0, limit=3)
+    for i in range(3):
+        peers.connected(f"p{i}", frozenset({f"a{i}"}), now=float(i))
+    peers.dropped("p1", frozenset({"a1"}), PeerReset.SILENT, now=5.0, kept_transfer_info=False)
+    peers.connected("p3", frozenset({"a3"}), now=6.0)
+    assert len(peers) == 3 and peers.engine_of("a0") == "p0" and peers.engine_of("a3") == "p3"
+    assert peers.last_contact("p1") == 0.0  # the dropped one went
+
+
+@pytest.mark.parametrize("hb, outcome", [
+    ("held", LeaseRenewal.RENEWED), ("prefilling", LeaseRenewal.PREFILLING),
+    ("done", LeaseRenewal.ALREADY_DONE), ("other", LeaseRenewal.UNKNOWN_REQUEST)])
+def test_each_heartbeat_id_is_counted_by_what_it_matched(hb: str, outcome: LeaseRenewal):
+    leases = ledger()
+    leases.grant({p_id("held"): 100.0, p_id("done"): 100.0}, None, 0.0)
+    leases.note_batch([p_id("prefilling")], [])
+    leases.ended([p_id("done")])
+    assert leases.renew([reg(hb)["request_id"]], None, 1.0, 0)[0] == {outcome.value: 1}
