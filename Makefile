@@ -16,6 +16,11 @@ VENV033 ?= .venv-vllm033
 PY033 := $(VENV033)/bin/python
 LOCK033 := requirements/vllm033.lock
 STAMP033 := $(VENV033)/.stamp-$(shell cat $(LOCK033) pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
+# vLLM 0.34.0 lane: the same, plus the triton wheel (see requirements/vllm034.lock).
+VENV034 ?= .venv-vllm034
+PY034 := $(VENV034)/bin/python
+LOCK034 := requirements/vllm034.lock
+STAMP034 := $(VENV034)/.stamp-$(shell cat $(LOCK034) pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
 # torch==X+cpu comes from a local wheel store when pip's find-links has it; otherwise from PyTorch's CPU index.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_PIN := $(shell grep -m1 '^torch==' $(LOCK))
@@ -27,7 +32,8 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak faults load clean venv-vllm033 venv-vllm033-deps test-vllm033
+.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak faults load clean venv-vllm033 venv-vllm033-deps test-vllm033 \
+  venv-vllm034 venv-vllm034-deps test-vllm034
 
 setup: venv system-deps
 
@@ -52,6 +58,20 @@ $(STAMP033): $(LOCK033) pyproject.toml
 	$(PY033) -m pip install $(PIP_FLAGS) $(call torch_source,$(PY033)) -r $(LOCK033)
 	$(PY033) -m pip install $(PIP_FLAGS) --no-build-isolation -e .
 	@rm -f $(VENV033)/.stamp-*
+	@touch $@
+
+venv-vllm034: $(STAMP034)
+
+# The 0.34 lock alone (as venv-vllm033-deps).
+venv-vllm034-deps:
+	@test -x $(PY034) || $(PYTHON) -m venv $(VENV034)
+	$(PY034) -m pip install $(PIP_FLAGS) $(call torch_source,$(PY034)) -r $(LOCK034)
+
+$(STAMP034): $(LOCK034) pyproject.toml
+	@test -x $(PY034) || $(PYTHON) -m venv $(VENV034)
+	$(PY034) -m pip install $(PIP_FLAGS) $(call torch_source,$(PY034)) -r $(LOCK034)
+	$(PY034) -m pip install $(PIP_FLAGS) --no-build-isolation -e .
+	@rm -f $(VENV034)/.stamp-*
 	@touch $@
 
 system-deps: $(SYS_STAMP)
@@ -133,4 +153,4 @@ bench: setup
 	@for b in $(BENCHMARKS); do $(PY) -m benchmarks $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VENV033) .cache
+	rm -rf $(VENV) $(VENV033) $(VENV034) .cache
