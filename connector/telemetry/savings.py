@@ -152,7 +152,8 @@ def why_no_full_handshake(remote_block_size: int, local_block_size: int,
     A PP producer: each PP rank advertises only its layer slice, and vLLM never
     handshakes a PP producer fully. A local block size that is not a multiple of
     the remote one: `TransferTopology.block_size_ratio` asserts before any list is
-    prepared. Nothing is saved where nothing would have been prepared.
+    prepared (vLLM 0.32/0.33; 0.34 refuses a handshake between different block
+    sizes before this is asked). Nothing is saved where nothing would have been prepared.
     """
     if remote_pp_size > 1:
         return NoSaving.PP_PRODUCER
