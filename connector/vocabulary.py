@@ -79,7 +79,8 @@ class NoSaving(_Vocab):
     """Why a notification-only handshake saved nothing: a full one would prepare nothing."""
 
     PP_PRODUCER = "pp_producer"  # vLLM never prepares descriptors for a PP producer
-    BLOCK_SIZE_MISMATCH = "block_size_mismatch"  # local block size not a multiple of the remote's
+    # Local block size not a multiple of the remote's (vLLM 0.32/0.33; 0.34 refuses such a handshake).
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"
 
 
 class PushEvent(_Vocab):

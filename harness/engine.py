@@ -60,7 +60,7 @@ class NixlCallLog:
 def _descriptor_count(descs: Any) -> int:
     """Descriptors NIXL was asked to prepare, counted here independently of the connector.
 
-    vLLM 0.32 hands NIXL a descriptor list; 0.33 an Nx5 array of strided rows
+    vLLM 0.32 hands NIXL a descriptor list; 0.33 and 0.34 an Nx5 array of strided rows
     (address, length, device id, stride, count) where each row is `count` descriptors.
     """
     if hasattr(descs, "descCount"):

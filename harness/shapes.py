@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from connector.glue.guard import installed_version, minor_of
 from connector.vocabulary import SPAN_HANDSHAKE, Attr
 from harness.cluster import Cluster
 from harness.config import FORK, STOCK, EngineSpec
@@ -46,13 +47,23 @@ PerRank = list[list[dict[str, Any]]]
 
 
 def moves_kv(p_block_size: int, d_block_size: int) -> bool:
-    """Whether vLLM 0.32's push mode moves KV from P to D on this CPU backend.
+    """Whether vLLM's push mode moves KV from P to D on this CPU backend.
 
-    Only between equal block sizes: with P 64 / D 32, P's WRITE lands and D's
-    `get_transfer_results` fails its `block_size_ratio` assertion (which ends a
-    harness engine's loop); with P 32 / D 64, P's P->D handshake fails it.
+    Only between equal block sizes. vLLM 0.32/0.33: with P 64 / D 32, P's WRITE lands
+    and D's `get_transfer_results` fails its `block_size_ratio` assertion (which ends a
+    harness engine's loop); with P 32 / D 64, P's P->D handshake fails it. vLLM 0.34+:
+    no handshake between them succeeds (`push_refuses_other_block_sizes`).
     """
     return p_block_size == d_block_size
+
+
+def push_refuses_other_block_sizes(version: str | None = None) -> bool:
+    """vLLM 0.34+: push mode checks that P and D have the same block size (and physical
+    blocks per logical block) in the parallel-config validation of every handshake,
+    notification-only included, so a D->P handshake between them fails
+    (`config_mismatch`, with vLLM's reason) before any NIXL call."""
+    minor = minor_of(version or installed_version())
+    return minor is not None and minor >= (0, 34)
 
 
 @dataclass
@@ -72,6 +83,7 @@ class CaseResult:
     p_handshakes: list[list[dict[str, Any]]] = field(default_factory=list)  # per P rank, P->D
     failed: list[str] = field(default_factory=list)
     error: str | None = None
+    log_files: list[str] = field(default_factory=list)  # per D rank (every case's lines)
 
     # ---- fork: from the connector's own stats
     @property
@@ -283,7 +295,8 @@ class ShapeRunner:
         """D reaches P by heartbeat, then (when `push`; by default where vLLM moves KV
         between the two block sizes) requests are pushed P->D."""
         res = CaseResult(shape=shape_of(p, d), connector=d.spec.connector,
-                         pushed=moves_kv(p.spec.block_size, d.spec.block_size) if push is None else push)
+                         pushed=moves_kv(p.spec.block_size, d.spec.block_size) if push is None else push,
+                         log_files=[str(rs.log_file) for rs in d.rank_specs])
         self._new_calls(d)
         d.call_all("stats")  # (what earlier cases left)
         p.call_all("stats")
@@ -331,8 +344,8 @@ class PShape:
 
 # The matrix: P TP x D TP in {(1,1),(1,2),(2,1),(2,2),(4,2)}, P PP 2, and P's block
 # size larger than D's (P 64 / D 32). vLLM's push mode moves no KV in that last one
-# (`moves_kv`): only the handshakes run there, and it comes last, after which the
-# stock D's failed heartbeat handshakes cannot spill into another case.
+# (`moves_kv`): only the handshakes run there (on 0.34 they fail), and it comes last,
+# after which failed heartbeat handshakes cannot spill into another case.
 MATRIX = (
     PShape(tp=1, d_tps=(1, 2)),
     PShape(tp=2, d_tps=(1, 2)),

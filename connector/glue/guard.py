@@ -9,10 +9,12 @@ worker checks the whole surface once when it starts:
 - every vLLM method we override or call exists and accepts what we pass;
 - every attribute we read exists once vLLM's constructor has run;
 - the metadata fields we decode and the seam the connector uses exist;
-- the vLLM functions we re-implement in our own words (or whose exact behaviour we
-  rely on) have the source CI tested (`PINNED_SOURCES`, a digest per tested minor):
-  a patch release that changes one is named at start-up;
+- the vLLM functions we re-implement in our own words (or whose exact behaviour, such
+  as the order of what they do, we rely on) have the source CI tested
+  (`PINNED_SOURCES`, a digest per tested minor): a patch release that changes one is
+  named at start-up;
 - the version is inside the range CI tests (`TESTED_MINORS`).
+The per-minor tables (pinned functions, attribute sets) live in connector/glue/pins.py.
 
 Anything wrong fails at once, naming the missing piece, the installed version and
 the tested range. `NIXL_PUSH_OBSERVED_ALLOW_UNTESTED=1` runs anyway (logged), and
@@ -33,11 +35,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from connector.glue import pins
+
 logger = logging.getLogger(__name__)
 
-# vLLM minor releases CI runs the suite on (keep in step with pyproject's `cuda` extra).
-TESTED_MINORS: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
-TESTED_RANGE = ">=0.32,<0.34"
+# vLLM minor releases CI runs the suite on (connector/glue/pins.py; keep in step with
+# pyproject's `cuda` extra, tests/test_locks.py checks it).
+TESTED_MINORS: tuple[tuple[int, int], ...] = pins.tested_minors()
+TESTED_RANGE = (f">={TESTED_MINORS[0][0]}.{TESTED_MINORS[0][1]},"
+                f"<{TESTED_MINORS[-1][0]}.{TESTED_MINORS[-1][1] + 1}")
 ALLOW_UNTESTED_ENV = "NIXL_PUSH_OBSERVED_ALLOW_UNTESTED"
 # The module-level name vLLM's NixlPushConnector.__init__ builds its worker by (our seam).
 WORKER_SEAM = "NixlPushConnectorWorker"
@@ -113,47 +119,15 @@ WORKER_CALLS: tuple[Call, ...] = (
     Call("scheduler", "on_new_request", (_ANY,)),
 )
 
-# Attributes vLLM's worker constructor sets that the fork reads or replaces.
-WORKER_ATTRIBUTES: tuple[str, ...] = (
-    "kv_transfer_config", "nixl_wrapper", "_remote_agents", "_handshake_lock",
-    "_handshake_futures", "_engine_clock_offset",
-    "_engine_last_active", "xfer_stats", "tp_rank", "engine_id", "transfer_topo",
-    "use_host_buffer", "device_id", "compat_hash", "enforce_compat_hash", "_is_csa_linear",
-    "block_size", "src_xfer_handles_by_block_size", "block_len_per_layer",
-    "pp_size", "_remote_region_offset", "_pending_completion_notifs", "_failed_recv_reqs",
-    "_recving_metadata", "_push_finished_blocks", "_pending_d_registrations",
-    "_reqs_to_send", "_reqs_to_process", "_lease_extension", "_sending_transfers",
-    "_sending_transfers_lock", "_reg_send_inbox", "_push_writer_wake", "_evict_finished_inbox",
-)
-# Attributes vLLM's worker sets later (when KV caches are registered) that the fork reads:
-# checked in the source, as assignments `self.<name> = ...` somewhere in the worker classes.
-LATER_ATTRIBUTES: tuple[str, ...] = (
-    "num_descs", "_transfer_layer_region_indices", "_transfer_layer_names", "region_names",
-)
 # Attributes vLLM's push scheduler sets that the fork's scheduler reads (source scan too).
 SCHEDULER_ATTRIBUTES: tuple[str, ...] = (
     "_heartbeat_req_engine", "_heartbeat_by_engine", "_push_pending_registrations",
     "_newly_finished_push_blocks",
 )
 
-# vLLM functions whose source CI tested, per minor: sha256 (first 16 hex digits) of the
-# dedented source. Re-implemented in our words: `_ensure_handshake` (flavor, dedup,
-# upgrade, retries: handshakes.py), `_nixl_handshake` (phases: handshakes.py),
-# `_log_failure` (worker.py), `_handle_heartbeat` (leases.py),
-# `_handle_push_reg_notif` (push.py). Relied on as it is: `_reap_expired_send_leases`
-# (it frees every expired lease wherever it sits in the map; leases.py counts around it).
-_SAME_IN_032_AND_033 = {
-    "NixlBaseConnectorWorker._ensure_handshake": "259894cd168148e0",
-    "NixlBaseConnectorWorker._nixl_handshake": "ab0315f92e542085",
-    "NixlBaseConnectorWorker._log_failure": "10ad0c82a548c45c",
-    "NixlBaseConnectorWorker._handle_heartbeat": "de391c234b5b3682",
-    "NixlBaseConnectorWorker._reap_expired_send_leases": "fe6ddaa577df8371",
-    "NixlPushConnectorWorker._handle_push_reg_notif": "9c04b1f1eaba6ea9",
-}
-PINNED_SOURCES: dict[tuple[int, int], dict[str, str]] = {
-    (0, 32): _SAME_IN_032_AND_033,
-    (0, 33): _SAME_IN_032_AND_033,
-}
+# Per-minor tables (connector/glue/pins.py): the functions pinned by source digest and
+# the worker attributes the fork reads.
+PINNED_SOURCES = pins.PINNED_SOURCES
 
 # Fields of the side-channel messages we decode ourselves.
 METADATA_FIELDS: dict[str, tuple[str, ...]] = {
@@ -169,27 +143,41 @@ def source_digest(func: Any) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def pinned_source_problems(version: str, owners: dict[str, Any] | None = None,
-                           pins: dict[tuple[int, int], dict[str, str]] | None = None) -> list[str]:
-    """vLLM functions we re-implement whose source is not the one CI tested."""
+def minor_of(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string ('0.34.0', '0.32.0+cpu', '0.35.0.dev3'), or None."""
     match = re.match(r"(\d+)\.(\d+)", version)
-    wanted = (pins or PINNED_SOURCES).get((int(match[1]), int(match[2]))) if match else None
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def digest_of(qualname: str, owners: dict[str, Any] | None = None) -> str | None:
+    """The source digest of vLLM's `Class.method` as installed (None: no such function)."""
+    owners = owners or _owners()
+    classes = {cls.__name__: cls for cls in (owners["base"], owners["worker"])}
+    cls_name, name = qualname.split(".")
+    func = _stock_method(classes[cls_name], name) if cls_name in classes else None
+    try:
+        return source_digest(getattr(func, "__func__", func)) if func is not None else None
+    except (OSError, TypeError):
+        return None
+
+
+def pinned_source_problems(version: str, owners: dict[str, Any] | None = None,
+                           pinned: dict[tuple[int, int], dict[str, str]] | None = None) -> list[str]:
+    """vLLM functions the fork re-implements or relies on whose source is not the one CI
+    tested on this minor."""
+    minor = minor_of(version)
+    wanted = (pinned or PINNED_SOURCES).get(minor) if minor else None
     if wanted is None:
         return []  # an untested minor: the version check says so
     owners = owners or _owners()
-    classes = {cls.__name__: cls for cls in (owners["base"], owners["worker"])}
     problems = []
     for qualname, digest in wanted.items():
-        cls_name, name = qualname.split(".")
-        func = _stock_method(classes[cls_name], name)
-        try:
-            got = source_digest(getattr(func, "__func__", func)) if func is not None else None
-        except (OSError, TypeError):
-            got = None
+        got = digest_of(qualname, owners)
         if got != digest:
+            why = pins.WHY_PINNED.get(qualname, "re-implemented or relied on by the fork")
             problems.append(f"{qualname} is not the source this connector was tested with on vLLM "
-                            f"{match[1]}.{match[2]} (re-implemented or relied on by the fork; "
-                            f"digest {got} != {digest}): review it against connector/glue")
+                            f"{minor[0]}.{minor[1]} ({why}; digest {got} != {digest}): review it "
+                            "against connector/glue")
     return problems
 
 
@@ -204,8 +192,17 @@ def installed_version() -> str:
 
 def version_tested(version: str) -> bool:
     """True when `version` (e.g. '0.33.0', '0.32.0+cpu', '0.33.1.dev3') is a minor CI runs."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return bool(match) and (int(match[1]), int(match[2])) in TESTED_MINORS
+    return minor_of(version) in TESTED_MINORS
+
+
+def worker_attributes(version: str) -> tuple[str, ...]:
+    """Attributes vLLM's worker constructor sets on this minor that the fork reads."""
+    return pins.for_minor(pins.WORKER_ATTRIBUTES, minor_of(version))
+
+
+def later_attributes(version: str) -> tuple[str, ...]:
+    """Attributes vLLM's worker assigns later on this minor that the fork reads."""
+    return pins.for_minor(pins.LATER_ATTRIBUTES, minor_of(version))
 
 
 def _owners() -> dict[str, Any]:
@@ -274,8 +271,9 @@ def check_call(call: Call, owner: type) -> str | None:
 
 
 def surface_problems(calls: Iterable[Call] = WORKER_CALLS,
-                     owners: dict[str, Any] | None = None) -> list[str]:
+                     owners: dict[str, Any] | None = None, version: str | None = None) -> list[str]:
     """Problems with the vLLM classes, methods and fields we rely on (class level)."""
+    version = version or installed_version()
     problems: list[str] = []
     try:
         owners = owners or _owners()
@@ -291,7 +289,7 @@ def surface_problems(calls: Iterable[Call] = WORKER_CALLS,
             problems.append(problem)
     problems.extend(_metadata_problems())
     problems.extend(_seam_problems())
-    problems.extend(_later_attribute_problems(owners["worker"]))
+    problems.extend(_later_attribute_problems(owners["worker"], later_attributes(version)))
     problems.extend(_later_attribute_problems(owners["scheduler"], SCHEDULER_ATTRIBUTES))
     return problems
 
@@ -322,7 +320,7 @@ def _self_targets(path: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def _later_attribute_problems(worker_cls: type, names: Iterable[str] = LATER_ATTRIBUTES) -> list[str]:
+def _later_attribute_problems(worker_cls: type, names: Iterable[str]) -> list[str]:
     assigned = _assigned_attributes(worker_cls)
     return [f"{worker_cls.__name__} no longer sets self.{name}" for name in names if name not in assigned]
 
@@ -351,7 +349,7 @@ def _seam_problems() -> list[str]:
             if not hasattr(stock, seam) or code is None or seam not in code.co_names]
 
 
-def attribute_problems(worker: Any, names: Iterable[str] = WORKER_ATTRIBUTES) -> list[str]:
+def attribute_problems(worker: Any, names: Iterable[str]) -> list[str]:
     """Attributes vLLM's constructor should have set on `worker` but did not."""
     return [f"worker attribute {name!r} (set by vLLM's constructor) is missing"
             for name in names if not hasattr(worker, name)]
@@ -368,10 +366,16 @@ class Verdict:
         return self.tested and not self.problems
 
     def message(self) -> str:
-        head = (f"nixl-push-observed: vLLM {self.version} is outside the tested range "
-                f"{TESTED_RANGE}" if not self.tested else
-                f"nixl-push-observed: vLLM {self.version} (tested range {TESTED_RANGE})")
-        lines = [head + (":" if self.problems else " and was not tested with this connector.")]
+        """One line per refused piece, under a head naming the version and the tested range."""
+        if self.tested:
+            lines = [f"nixl-push-observed: vLLM {self.version} (tested range {TESTED_RANGE}) lacks "
+                     "pieces this connector relies on:"]
+        else:
+            newest = "{}.{}".format(*TESTED_MINORS[-1])
+            lines = [f"nixl-push-observed: vLLM {self.version} is outside the tested range {TESTED_RANGE}:",
+                     "  - the version: CI tests the vLLM minors "
+                     + ", ".join("{}.{}".format(*m) for m in TESTED_MINORS)
+                     + (f" (the pieces below are checked against {newest}'s)" if self.problems else "")]
         lines += [f"  - {p}" for p in self.problems]
         lines.append(f"Install a vLLM in {TESTED_RANGE}, or set {ALLOW_UNTESTED_ENV}=1 to run anyway "
                      "(telemetry is then marked degraded: vllm:nixl_observed_degraded 1).")
@@ -391,13 +395,13 @@ def assess(version: str | None = None) -> Verdict:
     """The class-level verdict (no worker instance needed: also used by the API server)."""
     version = version or installed_version()
     return Verdict(version, version_tested(version),
-                   surface_problems() + pinned_source_problems(version))
+                   surface_problems(version=version) + pinned_source_problems(version))
 
 
 def check_worker(worker: Any, *, version: str | None = None) -> Verdict:
     """Run at worker start-up: raise `UnsupportedVllmError` unless all is well or allowed."""
     verdict = assess(version)
-    verdict.problems.extend(attribute_problems(worker))
+    verdict.problems.extend(attribute_problems(worker, worker_attributes(verdict.version)))
     if verdict.ok:
         return verdict
     if not allow_untested():

@@ -60,9 +60,13 @@ class HandshakeError(RuntimeError):
 _DECODE_FAILURE = re.compile(r"failed to decode|could not decode|unable to decode|decodeerror|"
                              r"invalid (?:msgpack|payload)")
 # Phrases of vLLM's P/D configuration checks raised as RuntimeError (0.33 adds several:
-# packed KV rows, head-sharded drafts, NVFP4 re-sharding).
+# packed KV rows, head-sharded drafts, NVFP4 re-sharding; 0.34 its region pairing: a peer
+# whose regions do not pair with this worker's layers).
 _CONFIG_MISMATCH = re.compile(r"differ between|must match|not supported|does not support|"
-                              r"requires|use matching|use the same|needs the same")
+                              r"\brequires?\b|expects same|use matching|use the same|needs the same|"
+                              r"kv region metadata of different lengths|did not advertise the layers|"
+                              r"does not hold the kv layers|has no counterpart here|"
+                              r"lay out their kv regions differently")
 
 
 def classify_error(exc: BaseException) -> ErrorType:

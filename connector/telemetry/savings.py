@@ -6,11 +6,16 @@ remote rank holding one descriptor per block of every remote region *as the full
 would lay the regions out*, plus, the first time a smaller remote block size is seen,
 one local list at that block size.
 
-The full path first maps the peer's regions onto this worker's (vLLM 0.32 and 0.33):
+The full path first maps the peer's regions onto this worker's. vLLM 0.34 pairs them
+through the layers both sides hold (`_pair_regions`): a peer's packed row (one region
+holding several layers' pages) read by a worker that does not pack becomes one region
+per layer first (`_expand_remote_packed_rows`); then every remote region holding a
+layer of this worker is kept (all of them at PP = 1, a PP stage's layers otherwise),
+in the peer's order. vLLM 0.32 and 0.33 map by region index instead:
 - layer-name routing (HMA/packed layouts under PP): one remote region per local
   transfer layer, picked by layer name;
-- a packed remote row (one region holding every layer's page) read by a worker with
-  one region per layer (vLLM 0.33): the row becomes one region per local region;
+- a packed remote row read by a worker with one region per layer (0.33): the row
+  becomes one region per local region;
 - a PP layer slice of a PP=1 peer: only this stage's window of regions.
 `shape_aware_saving` adds what the per-rank count misses in the shapes people deploy
 (heterogeneous TP, PP producers, different block sizes); Mamba/SSM descriptors are
@@ -45,12 +50,23 @@ class LocalLayout:
     # onto them (0.33+) while this worker itself does not pack rows.
     region_names: tuple[str, ...] = ()
     splits_packed_rows: bool = False
-    # (first region, number of regions) of this PP stage, when PP > 1.
+    # (first region, number of regions) of this PP stage, when PP > 1 (0.32, 0.33).
     pp_window: tuple[int, int] | None = None
+    # The layers this worker holds, when the installed vLLM pairs a peer's regions by
+    # the layers both sides hold (0.34+); empty: it maps them by region index.
+    paired_layers: tuple[str, ...] = ()
 
     @classmethod
     def of_worker(cls, worker: Any) -> LocalLayout:
         """Read the layout from a live vLLM NIXL worker (attributes differ by release)."""
+        if hasattr(type(worker), "_pair_regions"):  # vLLM 0.34+
+            return cls(
+                block_size=int(worker.block_size),
+                num_descs=int(worker.num_descs),
+                region_names=tuple(getattr(worker, "region_names", ()) or ()),
+                splits_packed_rows=not getattr(worker, "_packed_member_layouts", None),
+                paired_layers=tuple(worker._regions_by_layer),
+            )
         routed = getattr(worker, "_transfer_layer_region_indices", None) or ()
         pp_size = int(getattr(worker, "pp_size", 1) or 1)
         return cls(
@@ -71,6 +87,8 @@ def remote_region_blocks(meta: Any, layout: LocalLayout | None = None) -> list[i
     per_region = list(getattr(meta, "region_num_blocks", None) or [meta.num_blocks] * n_regions)
     if layout is None:
         return per_region
+    if layout.paired_layers:
+        return _paired_region_blocks(meta, per_region, layout)
     if layout.routed_layer_names:
         by_layer = {name: i for i, names in enumerate(meta.region_members or ())
                     for name in names}
@@ -86,6 +104,20 @@ def remote_region_blocks(meta: Any, layout: LocalLayout | None = None) -> list[i
         if n_regions > count:
             return per_region[offset:offset + count]
     return per_region
+
+
+def _paired_region_blocks(meta: Any, per_region: list[int], layout: LocalLayout) -> list[int]:
+    """vLLM 0.34+: blocks of the remote regions that pair with this worker's layers."""
+    members = [list(names) for names in (getattr(meta, "region_members", None) or ())]
+    packed = getattr(meta, "packed_member_layouts", None) or {}
+    if packed and layout.splits_packed_rows:
+        rows: list[tuple[int, list[str]]] = []
+        for blocks, names in zip(per_region, members):
+            in_row = [name for name in names if name in packed]
+            rows.extend([(blocks, [name]) for name in in_row] if in_row else [(blocks, names)])
+        per_region, members = [b for b, _ in rows], [names for _, names in rows]
+    held = set(layout.paired_layers)
+    return [blocks for blocks, names in zip(per_region, members) if held.intersection(names)]
 
 
 def remote_descriptor_count(meta: Any, layout: LocalLayout | None = None) -> int:
@@ -120,7 +152,8 @@ def why_no_full_handshake(remote_block_size: int, local_block_size: int,
     A PP producer: each PP rank advertises only its layer slice, and vLLM never
     handshakes a PP producer fully. A local block size that is not a multiple of
     the remote one: `TransferTopology.block_size_ratio` asserts before any list is
-    prepared. Nothing is saved where nothing would have been prepared.
+    prepared (vLLM 0.32/0.33; 0.34 refuses a handshake between different block
+    sizes before this is asked). Nothing is saved where nothing would have been prepared.
     """
     if remote_pp_size > 1:
         return NoSaving.PP_PRODUCER

@@ -1,0 +1,143 @@
+"""What the start-up guard checks, per vLLM minor CI runs (data only; guard.py checks it).
+
+- `PINNED_SOURCES`: vLLM functions the fork re-implements in its own words, or whose
+  exact behaviour (often the order of what they do) it relies on, with the sha256
+  (first 16 hex digits) of each one's dedented source, as CI tested it. Pin or unpin a
+  function with one line per minor, plus its line in `WHY_PINNED`;
+  `python -m connector.glue.pins` prints the lines for the installed vLLM.
+- `WORKER_ATTRIBUTES` / `LATER_ATTRIBUTES`: the attributes of vLLM's worker the fork
+  reads or replaces, set by its constructor / assigned later (when KV caches register).
+
+A minor is tested when it has an entry in each table (tests/test_guard.py keeps them
+in step with each other and with pyproject's `cuda` extra).
+"""
+
+from __future__ import annotations
+
+import sys
+
+Minor = tuple[int, int]
+
+# ------------------------------------------------------------------ pinned sources
+PINNED_SOURCES: dict[Minor, dict[str, str]] = {
+    (0, 32): {
+        "NixlBaseConnectorWorker._ensure_handshake": "259894cd168148e0",
+        "NixlBaseConnectorWorker._nixl_handshake": "ab0315f92e542085",
+        "NixlBaseConnectorWorker._log_failure": "10ad0c82a548c45c",
+        "NixlBaseConnectorWorker._handle_heartbeat": "de391c234b5b3682",
+        "NixlBaseConnectorWorker._reap_expired_send_leases": "fe6ddaa577df8371",
+        "NixlPushConnectorWorker._handle_push_reg_notif": "9c04b1f1eaba6ea9",
+        "NixlPushConnectorWorker.start_load_kv": "88de86599665fecb",
+        "NixlPushConnectorWorker._push_writer_loop": "b241b98039044f8b",
+        "NixlPushConnectorWorker.get_transfer_results": "f77817186d4c1dd0",
+        "NixlBaseConnectorWorker.get_transfer_results": "940893539175e22d",
+    },
+    (0, 33): {
+        "NixlBaseConnectorWorker._ensure_handshake": "259894cd168148e0",
+        "NixlBaseConnectorWorker._nixl_handshake": "ab0315f92e542085",
+        "NixlBaseConnectorWorker._log_failure": "10ad0c82a548c45c",
+        "NixlBaseConnectorWorker._handle_heartbeat": "de391c234b5b3682",
+        "NixlBaseConnectorWorker._reap_expired_send_leases": "fe6ddaa577df8371",
+        "NixlPushConnectorWorker._handle_push_reg_notif": "9c04b1f1eaba6ea9",
+        "NixlPushConnectorWorker.start_load_kv": "88de86599665fecb",
+        "NixlPushConnectorWorker._push_writer_loop": "b241b98039044f8b",
+        "NixlPushConnectorWorker.get_transfer_results": "24c9c922d387de3b",
+        "NixlBaseConnectorWorker.get_transfer_results": "940893539175e22d",
+    },
+    (0, 34): {
+        "NixlBaseConnectorWorker._ensure_handshake": "259894cd168148e0",
+        "NixlBaseConnectorWorker._nixl_handshake": "ab0315f92e542085",
+        "NixlBaseConnectorWorker._log_failure": "10ad0c82a548c45c",
+        "NixlBaseConnectorWorker._handle_heartbeat": "de391c234b5b3682",
+        "NixlBaseConnectorWorker._reap_expired_send_leases": "fe6ddaa577df8371",
+        "NixlPushConnectorWorker._handle_push_reg_notif": "9c04b1f1eaba6ea9",
+        "NixlPushConnectorWorker.start_load_kv": "88de86599665fecb",
+        "NixlPushConnectorWorker._push_writer_loop": "b241b98039044f8b",
+        "NixlPushConnectorWorker.get_transfer_results": "24c9c922d387de3b",
+        "NixlBaseConnectorWorker.get_transfer_results": "018a2aa039160895",
+    },
+}
+
+# Why each pinned function is pinned: what in connector/glue depends on it (shown in a refusal).
+WHY_PINNED: dict[str, str] = {
+    "NixlBaseConnectorWorker._ensure_handshake":
+        "re-implemented in handshakes.py (flavor, dedup by engine, upgrade, retries)",
+    "NixlBaseConnectorWorker._nixl_handshake":
+        "re-implemented in handshakes.py (the same exchange and checks, cut into phases)",
+    "NixlBaseConnectorWorker._log_failure": "re-implemented in worker.py (same logger, line and keys)",
+    "NixlBaseConnectorWorker._handle_heartbeat": "re-implemented in leases.py (renewal by request id)",
+    "NixlBaseConnectorWorker._reap_expired_send_leases":
+        "relied on by leases.py: frees every expired lease wherever it sits in the map",
+    "NixlPushConnectorWorker._handle_push_reg_notif":
+        "re-implemented in push.py (a bad PUSH_REG costs no other request)",
+    "NixlPushConnectorWorker.start_load_kv":
+        "relied on by worker.py: registrations and finished blocks are queued to the writer, leases "
+        "set from the step's metadata, and heartbeats sent last (the only handshakes it starts)",
+    "NixlPushConnectorWorker._push_writer_loop":
+        "relied on by handshakes.py, push.py, receive.py: the writer alone calls _send_registration_to_p "
+        "and _do_start_push_kv, routes PUSH_REGs to _handle_push_reg_notif and every other "
+        "notification into _pending_completion_notifs",
+    "NixlPushConnectorWorker.get_transfer_results":
+        "relied on by worker.py: vLLM's base results first, then the WRITEs done, under "
+        "_sending_transfers_lock",
+    "NixlBaseConnectorWorker.get_transfer_results":
+        "relied on by worker.py, receive.py, peers.py: notifications are read first, then "
+        "_failed_recv_reqs is drained (the fork queues its failed receives before calling it)",
+}
+
+# ------------------------------------------------------------------ attributes
+# Set by vLLM's worker constructor (checked on the live worker at start-up).
+_CONSTRUCTOR_ALL: tuple[str, ...] = (
+    "kv_transfer_config", "nixl_wrapper", "_remote_agents", "_handshake_lock",
+    "_handshake_futures", "_engine_clock_offset",
+    "_engine_last_active", "xfer_stats", "tp_rank", "engine_id", "transfer_topo",
+    "use_host_buffer", "device_id", "compat_hash", "enforce_compat_hash", "_is_csa_linear",
+    "block_size", "src_xfer_handles_by_block_size", "block_len_per_layer",
+    "pp_size", "_pending_completion_notifs", "_failed_recv_reqs",
+    "_recving_metadata", "_push_finished_blocks", "_pending_d_registrations",
+    "_reqs_to_send", "_reqs_to_process", "_lease_extension", "_sending_transfers",
+    "_sending_transfers_lock", "_reg_send_inbox", "_push_writer_wake", "_evict_finished_inbox",
+)
+WORKER_ATTRIBUTES: dict[Minor, tuple[str, ...]] = {
+    # savings.py: a PP stage's window of a PP=1 peer's regions.
+    (0, 32): (*_CONSTRUCTOR_ALL, "_remote_region_offset"),
+    (0, 33): (*_CONSTRUCTOR_ALL, "_remote_region_offset"),
+    # savings.py: the layers this worker holds, by which 0.34 pairs a peer's regions.
+    (0, 34): (*_CONSTRUCTOR_ALL, "_regions_by_layer"),
+}
+# Assigned later (when KV caches are registered): checked in vLLM's source, as
+# assignments `self.<name> = ...` somewhere in the worker classes.
+LATER_ATTRIBUTES: dict[Minor, tuple[str, ...]] = {
+    (0, 32): ("num_descs", "_transfer_layer_region_indices", "_transfer_layer_names", "region_names"),
+    (0, 33): ("num_descs", "_transfer_layer_region_indices", "_transfer_layer_names", "region_names"),
+    (0, 34): ("num_descs", "region_names", "region_members"),
+}
+
+
+def tested_minors() -> tuple[Minor, ...]:
+    """Minors with an entry in every table, oldest first."""
+    return tuple(sorted(set(PINNED_SOURCES) & set(WORKER_ATTRIBUTES) & set(LATER_ATTRIBUTES)))
+
+
+def for_minor(table: dict[Minor, tuple[str, ...]], minor: Minor | None) -> tuple[str, ...]:
+    """The table's entry for `minor`; the newest tested minor's for one CI does not run
+    (the version check refuses it anyway; the other problems are then named against it)."""
+    return table.get(minor) if minor in table else table[max(table)]  # type: ignore[index,return-value]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the pin lines for the installed vLLM (every function pinned for any minor,
+    or the `Class.method` names given)."""
+    from connector.glue import guard
+
+    names = list(argv if argv is not None else sys.argv[1:]) or list(
+        dict.fromkeys(name for minor in sorted(PINNED_SOURCES, reverse=True)
+                      for name in PINNED_SOURCES[minor]))
+    print(f"# vLLM {guard.installed_version()}")
+    for name in names:
+        print(f'        "{name}": "{guard.digest_of(name)}",')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
