@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,16 @@ import yaml
 
 from connector import vocabulary as V
 from dashboards import panels, promql
-from dashboards.queries import BASE_LABELS, LITERAL_ALTERNATIVES, RANGE, RATE, all_specs, series_index
+from dashboards.queries import (
+    BASE_LABELS,
+    LITERAL_ALTERNATIVES,
+    RANGE,
+    RATE,
+    all_specs,
+    base_labels,
+    scope_of,
+    series_index,
+)
 from dashboards.rules import RULES_FILE
 
 VOCAB_LABELS = frozenset(V.LABEL_VALUES)
@@ -55,7 +65,8 @@ def check_expr(expr: str, where: str, *, allow_variables: bool) -> list[str]:
     for m in promql.matchers(expr):
         spec = index.get(m.metric)
         if spec is not None:
-            allowed = BASE_LABELS | set(spec.labels) | ({"le"} if m.metric.endswith("_bucket") else set())
+            allowed = (base_labels(spec) | set(spec.labels)
+                       | ({"le"} if m.metric.endswith("_bucket") else set()))
         else:
             allowed = all_labels
         if m.label not in allowed:
@@ -147,6 +158,85 @@ def check_dashboard(dashboard: dict[str, Any],
     return errors
 
 
+# ------------------------------------------------------------ vLLM's dashboard conventions
+# vLLM's tools/generate_grafana_dashboards.py: ${datasource}, job, model_name, instance and
+# engine variables; rates over $__rate_interval (checked above); ratios that drop zero
+# denominators; optional sections as collapsed rows titled "(requires ...)"; descriptions
+# that end with the metrics they read. dashboards/README.md says where we differ and why.
+_SCOPE_MATCHER = re.compile(r'(\w+)(=~|=)"([^"]*)"')
+
+
+def _parse_matchers(matchers: tuple[str, ...]) -> set[tuple[str, str, str]]:
+    return {m.groups() for text in matchers if (m := _SCOPE_MATCHER.fullmatch(text))}
+
+
+def unguarded_divisions(expr: str) -> list[str]:
+    """Right operands of `/` that are neither a number nor a parenthesised `... > 0`."""
+    text = re.sub(r'"(?:\\.|[^"\\])*"', '""', expr)
+    text = re.sub(r"\[[^\]]*\]", "[]", text)
+    out = []
+    for match in re.finditer(r"/", text):
+        rest = text[match.end():].lstrip()
+        if re.match(r"[0-9.]+(?:e[+-]?\d+)?\b", rest):
+            continue
+        if not rest.startswith("("):
+            out.append(rest[:40])
+            continue
+        end = _closing(rest)
+        if not rest[1:end].rstrip().endswith("> 0"):
+            out.append(rest[:end + 1][:60])
+    return out
+
+
+def _closing(text: str) -> int:
+    """Index of the parenthesis closing the one `text` starts with."""
+    depth = 0
+    for index, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return index
+    return len(text)
+
+
+def check_conventions(dashboard: dict[str, Any]) -> list[str]:
+    """Where the dashboard departs from vLLM's conventions (each departure is an error)."""
+    errors: list[str] = []
+    variables = {v.get("name"): v for v in dashboard.get("templating", {}).get("list", [])}
+    ds = variables.get("datasource", {})
+    if ds.get("type") != "datasource" or ds.get("query") != "prometheus":
+        errors.append("variable $datasource must be a Prometheus data source variable")
+    for name in ("job", "model_name", "instance", "engine"):
+        if variables.get(name, {}).get("type") != "query":
+            errors.append(f"variable ${name} must be a query variable")
+    for row in (p for p in dashboard.get("panels", []) if p.get("type") == "row"):
+        optional = bool(panels.REQUIRES.fullmatch(row.get("title", "")))
+        if bool(row.get("collapsed")) != optional:
+            errors.append(f"row {row.get('title')!r}: a collapsed row is an optional section titled "
+                          "'... (requires ...)', and only such a row is collapsed")
+    for panel in panels.iter_panels(dashboard):
+        where = f"panel {panel.get('title')!r}"
+        targets = panel.get("targets") or []
+        try:
+            line = panels.metrics_line(targets)
+        except promql.PromQLError:
+            continue  # reported by check_expr
+        if not (panel.get("description") or "").endswith(line):
+            errors.append(f"{where}: description must end with {line.strip()!r}")
+        for t in targets:
+            expr, query = t.get("expr", ""), f"{where} query {t.get('refId')}"
+            errors += [f"{query}: ratio without a zero-denominator guard: / {d}"
+                       for d in unguarded_divisions(expr)]
+            by_metric: dict[str, set[tuple[str, str, str]]] = {}
+            for m in promql.matchers(expr):
+                by_metric.setdefault(m.metric, set()).add((m.label, m.op, m.value))
+            for metric, have in by_metric.items():
+                if metric in series_index():
+                    missing = _parse_matchers(scope_of(metric)) - have
+                    errors += [f"{query}: {metric} is not scoped by {label}{op}\"{value}\""
+                               for label, op, value in sorted(missing)]
+    return errors
+
+
 def check_rules(rules: dict[str, Any]) -> list[str]:
     errors: list[str] = []
     names: set[str] = set()
@@ -180,8 +270,9 @@ def check_files(root: Path, rendered: dict[str, str]) -> list[str]:
     dashboard_path = root / panels.DASHBOARD_FILE
     if dashboard_path.exists():
         try:
+            on_disk = json.loads(dashboard_path.read_text())
             errors += [f"{panels.DASHBOARD_FILE}: {e}" for e in
-                       check_dashboard(json.loads(dashboard_path.read_text()))]
+                       check_dashboard(on_disk) + check_conventions(on_disk)]
         except json.JSONDecodeError as exc:
             errors.append(f"{panels.DASHBOARD_FILE}: invalid JSON: {exc}")
     rules_path = root / RULES_FILE

@@ -46,8 +46,9 @@ def _outputs(root: Path, doc: Path) -> dict[Path, str]:
 
 def generated_errors() -> list[str]:
     """Problems of what the generator renders (checked before anything is written)."""
-    return (check.check_dashboard(panels.build_dashboard()) + check.check_rules(rules.build_rules())
-            + telemetry_doc.missing_texts())
+    dashboard = panels.build_dashboard()
+    return (check.check_dashboard(dashboard) + check.check_conventions(dashboard)
+            + check.check_rules(rules.build_rules()) + telemetry_doc.missing_texts())
 
 
 def check_all(root: Path, doc: Path) -> list[str]:

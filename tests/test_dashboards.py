@@ -225,12 +225,14 @@ def test_dashboard_shape() -> None:
         assert promql.variables(var["query"]) <= defined, var["name"]
         defined.add(var["name"])
     rows = [p for p in dashboard["panels"] if p["type"] == "row"]
-    stock = next(r for r in rows if r["title"] == "NIXL transfers (vLLM stock)")
-    assert stock["collapsed"] is True and stock["panels"]
-    stock_names = {s.name for s in V.STOCK_METRICS}
-    for panel in stock["panels"]:
-        for t in panel["targets"]:
-            assert {queries.series_index()[n].name for n in promql.metric_names(t["expr"])} <= stock_names
+    for title, specs in ((panels.STOCK_ROW, V.STOCK_METRICS), (panels.ROUTER_ROW, V.ROUTER_METRICS)):
+        row = next(r for r in rows if r["title"] == title)
+        assert row["collapsed"] is True and row["panels"]
+        names = {s.name for s in specs}
+        for panel in row["panels"]:
+            for t in panel["targets"]:
+                assert {queries.series_index()[n].name for n in promql.metric_names(t["expr"])} <= names
+    assert [r["title"] for r in rows if r["collapsed"]] == [panels.ROUTER_ROW, panels.STOCK_ROW]
 
 
 def test_dashboard_layout_has_no_overlaps() -> None:
@@ -281,6 +283,20 @@ def test_required_panels_exist() -> None:
         "vllm:nixl_kv_leases_reaped_late_total")
     has("Heartbeat ids/s by what they matched (P)", "vllm:nixl_kv_lease_renewals_total", "by (outcome)")
     has("Heartbeats sent/s (D)", "vllm:nixl_heartbeats_total", "by (outcome)")
+    has("Router requests by outcome (range)", "nixl_router_requests_total", "by (outcome)", "offset $__range")
+    has("Router requests answered ok (range)", 'outcome="ok"', "offset $__range", "> 0)")
+    has("Mean client TTFT and leg latency (range)", "nixl_router_time_to_first_token_seconds_sum",
+        "nixl_router_leg_duration_seconds_count", "by (stream)", "by (leg)")
+    has("Router requests/s by route and outcome", "rate(nixl_router_requests_total", "by (route, outcome)")
+    has("Client TTFT p50 / p95 / p99", "nixl_router_time_to_first_token_seconds_bucket", "by (le, stream)")
+    has("Leg latency p50 / p95 by leg", "nixl_router_leg_duration_seconds_bucket", 'outcome="ok"')
+    has("Router requests in flight", "nixl_router_requests_in_flight")
+    has("Legs cancelled/s by leg and reason", "nixl_router_legs_cancelled_total", "by (leg, reason)")
+    # The router's series have no model_name or engine: its panels are scoped by job and instance.
+    for title in panels.row_titles(panels.ROUTER_ROW):
+        for expr in exprs[title]:
+            assert 'job=~"$job"' in expr and 'instance=~"$instance"' in expr, title
+            assert "$model_name" not in expr and "$engine" not in expr, title
 
 
 def test_latency_panels_show_exemplars_linked_to_jaeger() -> None:
@@ -291,7 +307,8 @@ def test_latency_panels_show_exemplars_linked_to_jaeger() -> None:
                       if any(t.get("exemplar") for t in p["targets"])}
     assert with_exemplars == {"Handshake latency p50 / p95 / p99 by flavor",
                               "Executor queue wait p50 / p95 / p99", "Per-phase latency p95",
-                              "KV receive latency p50 / p95 / p99 by outcome"}
+                              "KV receive latency p50 / p95 / p99 by outcome",
+                              "Client TTFT p50 / p95 / p99", "Leg latency p50 / p95 by leg"}
     for panel in panels.iter_panels(dashboard):
         if panel["title"] in with_exemplars:
             [link] = panel["fieldConfig"]["defaults"]["links"]
@@ -303,6 +320,63 @@ def test_latency_panels_show_exemplars_linked_to_jaeger() -> None:
             pane = json.loads(filled)["trace"]
             assert pane["datasource"] == "jaeger-uid"
             assert pane["queries"][0]["query"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+# ------------------------------------------------------------ vLLM's dashboard conventions
+def test_generated_dashboard_follows_vllms_conventions() -> None:
+    dashboard = panels.build_dashboard()
+    assert check.check_conventions(dashboard) == []
+    for panel in panels.iter_panels(dashboard):
+        # e.g. "...\n\nMetrics: `vllm:nixl_peer_resets_total`, `vllm:nixl_peer_restarts_total`"
+        last = panel["description"].rsplit("\n\n", 1)[1]
+        assert re.fullmatch(r"Metrics?: `[^`]+`(, `[^`]+`)*", last), panel["title"]
+        listed = set(re.findall(r"`([^`]+)`", last))
+        read = {queries.series_index()[n] for t in panel["targets"] for n in promql.metric_names(t["expr"])}
+        assert listed == {panels.metric_label(spec) for spec in read}, panel["title"]
+
+
+def _mutated(change: Any) -> list[str]:
+    dashboard = panels.build_dashboard()
+    change(dashboard)
+    return check.check_conventions(dashboard)
+
+
+def _first(dashboard: dict[str, Any], title: str) -> dict[str, Any]:
+    return next(p for p in panels.iter_panels(dashboard) if p["title"] == title)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda d: d["templating"]["list"][1].update(type="custom"), "variable $job must be a query variable"),
+    (lambda d: d["templating"]["list"][0].update(query="loki"), "must be a Prometheus data source variable"),
+    (lambda d: next(r for r in d["panels"] if r["type"] == "row").update(collapsed=True),
+     "a collapsed row is an optional section"),
+    (lambda d: next(r for r in d["panels"] if r.get("title") == panels.ROUTER_ROW).update(title="Router"),
+     "a collapsed row is an optional section"),
+    (lambda d: _first(d, "Full D->P handshakes").update(description="Full handshakes."),
+     "description must end with 'Metric: `vllm:nixl_handshake_duration_seconds`'"),
+    (lambda d: _first(d, "Descriptors per NIXL transfer (mean)")["targets"][0].update(
+        expr=_first(d, "Descriptors per NIXL transfer (mean)")["targets"][0]["expr"].replace(" > 0)", ")")),
+     "ratio without a zero-denominator guard"),
+    (lambda d: _first(d, "KV pushes/s: started / completed / failed")["targets"][0].update(
+        expr=_first(d, "KV pushes/s: started / completed / failed")["targets"][0]["expr"].replace(
+            ',engine=~"$engine"', "")),
+     'vllm:nixl_pushes_total is not scoped by engine=~"$engine"'),
+    (lambda d: _first(d, "Router requests in flight")["targets"][0].update(
+        expr=_first(d, "Router requests in flight")["targets"][0]["expr"].replace(
+            ',instance=~"$instance"', "")),
+     'nixl_router_requests_in_flight is not scoped by instance=~"$instance"'),
+])
+def test_departures_from_vllms_conventions_fail_the_check(change: Any, message: str) -> None:
+    errors = _mutated(change)
+    assert any(message in e for e in errors), errors
+
+
+def test_unguarded_divisions() -> None:
+    assert check.unguarded_divisions("a / b") == ["b"]
+    assert check.unguarded_divisions("a / (b)") == ["(b)"]
+    assert check.unguarded_divisions("a / (sum(b) > 0)") == []
+    assert check.unguarded_divisions("a / 1e6") == []
+    assert check.unguarded_divisions('x{le="1/2"} / (y > 0)') == []
 
 
 def test_latency_panel_without_exemplars_fails_the_check() -> None:
@@ -342,7 +416,7 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
                       "NixlReceivesFailing", "NixlReceiveLatencyP99High",
                       "NixlHandshakeStuck", "NixlPushRegRejected",
                       "NixlKvLeaseExpiredWhileWanted", "NixlHeartbeatsMatchNothing", "NixlPeerRestarted",
-                      "NixlRemotePrefillWaitingLong"}
+                      "NixlRemotePrefillWaitingLong", "NixlRouterLegErrorRatioHigh"}
     assert firing == alerts and quiet == alerts
 
 
@@ -467,7 +541,8 @@ def test_the_counted_panels_are_headlines() -> None:
     # The panels that exist to show a count (the "1,024 descriptors saved" of a run).
     assert {"Descriptors saved", "Descriptor registrations saved", "Descriptors registered vs saved (range)",
             "Full D->P handshakes", "D->P handshakes that were notification-only",
-            "KV leases expired while the decoder waited"} <= panels.headline_titles()
+            "KV leases expired while the decoder waited", "Router requests by outcome (range)",
+            "Router requests answered ok (range)"} <= panels.headline_titles()
     for panel in panels.iter_panels(panels.build_dashboard()):
         if panel["title"] in panels.headline_titles():
             for t in panel["targets"]:
