@@ -237,6 +237,41 @@ def check_conventions(dashboard: dict[str, Any]) -> list[str]:
     return errors
 
 
+# ------------------------------------------------------------------------------ Perses
+def check_perses(grafana: dict[str, Any], resources: list[dict[str, Any]]) -> list[str]:
+    """Each Perses resource passes Perses' schema and carries every row, panel and query of
+    the Grafana dashboard, with a Perses counterpart for each panel type."""
+    from dashboards import perses, perses_schema
+
+    errors = [f"Grafana panel {p.get('title')!r}: type {p.get('type')!r} has no Perses counterpart "
+              "(dashboards/perses.py PANEL_KINDS)" for p in panels.iter_panels(grafana)
+              if p.get("type") not in perses.PANEL_KINDS]
+    want_rows = [(row["title"], not row["collapsed"], [p["title"] for p in members])
+                 for row, members in perses._rows(grafana)]
+    want_queries = {p["title"]: [(t["expr"], bool(t.get("instant"))) for t in p["targets"]]
+                    for p in panels.iter_panels(grafana)}
+    for resource in resources:
+        where = f"Perses {resource.get('kind')}"
+        problems = perses_schema.problems(resource)
+        errors += [f"{where}: {e}" for e in problems]
+        if problems:
+            continue
+        spec = resource["spec"] if resource["kind"] == "Dashboard" else resource["spec"]["config"]
+        by_key = spec["panels"]
+        rows = [(layout["spec"]["display"]["title"], layout["spec"]["display"]["collapse"]["open"],
+                 [by_key[item["content"]["$ref"].rsplit("/", 1)[1]]["spec"]["display"]["name"]
+                  for item in layout["spec"]["items"]]) for layout in spec["layouts"]]
+        if rows != want_rows:
+            errors.append(f"{where}: rows and panels differ from the Grafana dashboard's")
+        for panel in by_key.values():
+            title = panel["spec"]["display"]["name"]
+            got = [(q["spec"]["plugin"]["spec"]["query"], bool(q["spec"]["plugin"]["spec"].get("instant")))
+                   for q in panel["spec"].get("queries", [])]
+            if got != want_queries.get(title):
+                errors.append(f"{where}: panel {title!r}: queries differ from the Grafana panel's")
+    return errors
+
+
 def check_rules(rules: dict[str, Any]) -> list[str]:
     errors: list[str] = []
     names: set[str] = set()
@@ -275,6 +310,18 @@ def check_files(root: Path, rendered: dict[str, str]) -> list[str]:
                        check_dashboard(on_disk) + check_conventions(on_disk)]
         except json.JSONDecodeError as exc:
             errors.append(f"{panels.DASHBOARD_FILE}: invalid JSON: {exc}")
+    from dashboards import perses
+
+    on_disk_perses = []
+    for rel in (perses.DASHBOARD_FILE, perses.OPERATOR_FILE):
+        if (root / rel).exists():
+            try:
+                on_disk_perses.append(yaml.safe_load((root / rel).read_text()) or {})
+            except yaml.YAMLError as exc:
+                errors.append(f"{rel}: invalid YAML: {exc}")
+    if dashboard_path.exists() and on_disk_perses:
+        with contextlib.suppress(json.JSONDecodeError):  # (reported above)
+            errors += check_perses(json.loads(dashboard_path.read_text()), on_disk_perses)
     rules_path = root / RULES_FILE
     if rules_path.exists():
         errors += [f"{RULES_FILE}: {e}" for e in check_rules(yaml.safe_load(rules_path.read_text()) or {})]

@@ -21,7 +21,19 @@ import pytest
 import yaml
 
 from connector import vocabulary as V
-from dashboards import check, generate, k8s, panels, promql, promrun, queries, rules, telemetry_doc
+from dashboards import (
+    check,
+    generate,
+    k8s,
+    panels,
+    perses,
+    perses_schema,
+    promql,
+    promrun,
+    queries,
+    rules,
+    telemetry_doc,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DASH = REPO / "dashboards"
@@ -659,3 +671,131 @@ def test_doc_reason_without_text_or_stale_doc_fails_the_check(tmp_path: Path,
     monkeypatch.delitem(telemetry_doc.TELEMETRY_ERROR_TEXT, V.TelemetryError.SPANS_DROPPED)
     errors = generate.check_all(tmp_path, doc)
     assert any("'spans_dropped' has no text" in e for e in errors), errors
+
+
+# ------------------------------------------------------------------------------- Perses
+PERSES_FILES = (perses.DASHBOARD_FILE, perses.OPERATOR_FILE)
+
+
+def _perses_on_disk(rel: str) -> dict[str, Any]:
+    return yaml.safe_load((DASH / rel).read_text())
+
+
+@pytest.mark.parametrize("rel", PERSES_FILES)
+def test_perses_files_pass_perses_schema(rel: str) -> None:
+    resource = _perses_on_disk(rel)
+    assert perses_schema.problems(resource) == []
+    assert check.check_perses(panels.build_dashboard(), [resource]) == []
+
+
+def test_perses_has_every_grafana_row_panel_and_query() -> None:
+    grafana = panels.build_dashboard()
+    spec = _perses_on_disk(perses.DASHBOARD_FILE)["spec"]
+    titles = [layout["spec"]["display"]["title"] for layout in spec["layouts"]]
+    assert titles == [title for title, _, _ in panels.ROWS]
+    collapsed = {layout["spec"]["display"]["title"] for layout in spec["layouts"]
+                 if not layout["spec"]["display"]["collapse"]["open"]}
+    assert collapsed == {title for title, folded, _ in panels.ROWS if folded}
+    by_title = {p["spec"]["display"]["name"]: p["spec"] for p in spec["panels"].values()}
+    for panel in panels.iter_panels(grafana):
+        mine = by_title[panel["title"]]
+        assert mine["display"]["description"] == panel["description"]
+        assert mine["plugin"]["kind"] == perses.PANEL_KINDS[panel["type"]]
+        queries = [q["spec"]["plugin"]["spec"] for q in mine["queries"]]
+        assert [q["query"] for q in queries] == [t["expr"] for t in panel["targets"]]
+        assert all(q["datasource"] == "$datasource" for q in queries)
+    names = [v["spec"]["name"] for v in spec["variables"]]
+    assert names == ["datasource", "job", "model_name", "instance", "engine"]  # $jaeger is Grafana's only
+
+
+def test_a_row_added_for_grafana_appears_in_perses(monkeypatch: pytest.MonkeyPatch) -> None:
+    extra = ("Extra (requires a test)", True, lambda: [panels.Cell(panels.timeseries(
+        "Extra pushes/s", "Pushes per second.",
+        [panels.target(f"sum(rate({queries.sel(V.PUSHES.series_names[0])}[$__rate_interval]))", "pushes")],
+        "suffix: pushes/s"), 12, 8)])
+    monkeypatch.setattr(panels, "ROWS", (*panels.ROWS, extra))
+    grafana = panels.build_dashboard()
+    resource = perses.build_dashboard(grafana)
+    assert check.check_perses(grafana, [resource]) == []
+    layout = resource["spec"]["layouts"][-1]
+    assert layout["spec"]["display"] == {"title": "Extra (requires a test)", "collapse": {"open": False}}
+    [item] = layout["spec"]["items"]
+    panel = resource["spec"]["panels"][item["content"]["$ref"].rsplit("/", 1)[1]]["spec"]
+    assert panel["display"]["name"] == "Extra pushes/s"
+    assert panel["plugin"]["spec"]["yAxis"]["label"] == "pushes/s"
+
+
+def _perses_spec(resource: dict[str, Any]) -> dict[str, Any]:
+    return resource["spec"]
+
+
+def _first_panel(resource: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(p["spec"] for p in resource["spec"]["panels"].values() if p["spec"]["plugin"]["kind"] == kind)
+
+
+def _first_query(resource: dict[str, Any]) -> dict[str, Any]:
+    return _first_panel(resource, "TimeSeriesChart")["queries"][0]["spec"]["plugin"]["spec"]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda r: _first_panel(r, "TimeSeriesChart")["plugin"]["spec"].update(exemplars=True),
+     "Additional properties are not allowed ('exemplars'"),
+    (lambda r: _first_panel(r, "StatChart")["plugin"].update(kind="GraphPanel"),
+     "'GraphPanel' is not one of"),
+    (lambda r: _first_panel(r, "StatChart")["plugin"]["spec"]["format"].update(unit="percentunit"),
+     "is not valid under any of the given schemas"),
+    (lambda r: _first_panel(r, "BarChart")["plugin"]["spec"].pop("calculation"),
+     "'calculation' is a required"),
+    (lambda r: _first_query(r).update(instant="yes"), "'yes' is not of type 'boolean'"),
+    (lambda r: r["spec"]["layouts"][0]["spec"]["items"][0]["content"].update({"$ref": "#/spec/panels/nope"}),
+     "names no panel"),
+    (lambda r: r["spec"]["layouts"][0]["spec"]["items"].pop(), "is in no layout"),
+    (lambda r: r["spec"]["layouts"][0]["spec"]["items"][1].update(x=0, y=0), "overlaps another panel"),
+    (lambda r: r["spec"]["variables"][1]["spec"].update(name="9"), "variable name '9' is not valid"),
+    (lambda r: r["spec"]["variables"][1]["spec"].update(allowAllValue=False),
+     "customAllValue needs allowAllValue"),
+    (lambda r: _first_query(r).update(query="rate(x[$window])"), "undefined variable $window"),
+    (lambda r: r["metadata"].update(project="no spaces allowed"), "does not match"),
+])
+def test_perses_schema_catches_what_perses_would_refuse(change: Any, message: str) -> None:
+    resource = perses.build_dashboard()
+    change(resource)
+    errors = perses_schema.problems(resource)
+    assert any(message in e for e in errors), errors
+
+
+def test_perses_check_fails_when_it_loses_a_panel_or_a_query_or_a_panel_type() -> None:
+    grafana = panels.build_dashboard()
+    lost_query = perses.build_dashboard(grafana)
+    _first_panel(lost_query, "TimeSeriesChart")["queries"].pop()
+    errors = check.check_perses(grafana, [lost_query])
+    assert any("queries differ from the Grafana panel's" in e for e in errors), errors
+    renamed = perses.build_dashboard(grafana)
+    _first_panel(renamed, "StatChart")["display"]["name"] = "Renamed"
+    assert any("rows and panels differ" in e for e in check.check_perses(grafana, [renamed]))
+    next(panels.iter_panels(grafana))["type"] = "heatmap"
+    assert any("type 'heatmap' has no Perses counterpart" in e
+               for e in check.check_perses(grafana, [perses.build_dashboard(grafana)]))
+
+
+def test_check_fails_when_the_perses_files_drift(tmp_path: Path) -> None:
+    generate.write_files(tmp_path, tmp_path / DOC.name)
+    path = tmp_path / perses.DASHBOARD_FILE
+    path.write_text(path.read_text().replace("duration: 1h", "duration: 6h"))
+    (tmp_path / perses.OPERATOR_FILE).unlink()
+    proc = in_tmp(tmp_path, "--check")
+    assert proc.returncode == 1
+    assert f"{perses.DASHBOARD_FILE}: stale" in proc.stderr
+    assert f"{perses.OPERATOR_FILE}: missing" in proc.stderr
+
+
+@pytest.mark.parametrize("rel", PERSES_FILES[:1])
+def test_percli_lint_accepts_the_perses_dashboard(rel: str) -> None:
+    """Perses' own offline lint, where a `percli` is installed (see dashboards/README.md: the
+    Go module proxy that would build it is not reachable from this project's machines)."""
+    exe = shutil.which("percli")
+    if exe is None:
+        pytest.skip("percli is not installed: it is built from github.com/perses/perses with Go, and the "
+                    "Go module proxy is not among the registries these machines reach")
+    proc = subprocess.run([exe, "lint", "-f", str(DASH / rel)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
