@@ -37,6 +37,8 @@ JOB = "vllm"
 # `/metrics/` reaches prometheus_client's own ASGI app, mounted behind it, which
 # negotiates OpenMetrics and so carries exemplars.
 OPENMETRICS_PATH = "/metrics/"
+# The router's own metrics (connector.router), scraped as a job of their own.
+ROUTER_JOB = "router"
 MODEL_CACHE = REPO / ".cache" / "demo-model"
 HOSTS = ("prefill", "decode", "obs")
 
