@@ -822,8 +822,9 @@ class LegCancel(_Vocab):
 
 
 # Client TTFT spans a cache hit on a warm pair (milliseconds) to a long queue or prompt (minutes).
-ROUTER_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                       20.0, 40.0, 80.0, 160.0, 640.0)
+# Finer where a healthy pair answers (0.1 s to 1 s), so p50 and p95 there are not one bucket.
+ROUTER_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5,
+                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ROUTER_LEG_BUCKETS = ROUTER_TTFT_BUCKETS
 
 ROUTER_REQUESTS = MetricSpec(
