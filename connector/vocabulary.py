@@ -773,6 +773,9 @@ class RouterAttr:
     TRANSFER_ID = "vllm.nixl.transfer_id"
     PREFILL_ENGINE_ID = "vllm.nixl.remote_engine_id"
     ERROR_TYPE = "error.type"
+    # On router.request: the client's time to first token, as nixl_router_time_to_first_token_seconds
+    # observed it (so one request's trace carries the figure its stages add up to).
+    TTFT = "vllm.router.time_to_first_token_s"
 
 
 # ======================================================== router metrics (connector.router)

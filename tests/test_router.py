@@ -513,3 +513,17 @@ def _exemplars(text: str) -> list[tuple[str, dict[str, str], dict[str, str]]]:
             if s.exemplar is not None:
                 out.append((s.name, dict(s.labels), dict(s.exemplar.labels)))
     return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_request_span_carries_the_ttft_the_histogram_observed(deploy, stream):
+    exporter = InMemorySpanExporter()
+    dep = deploy(["ok"], ["ok"], exporter=exporter)
+    with dep.client.stream("POST", COMPLETIONS, json={**BODY, "stream": stream}) as resp:
+        assert resp.status_code == 200
+        resp.read()
+    settled(dep, 1)
+    dep.tracing.provider.force_flush()
+    server = next(s for s in exporter.get_finished_spans() if s.name == SPAN_ROUTER_REQUEST)
+    observed = sample(dep, V.ROUTER_TTFT, "_sum", route=COMPLETIONS, stream=V.bool_label(stream))
+    assert observed > 0 and server.attributes[V.RouterAttr.TTFT] == observed

@@ -294,13 +294,14 @@ class Router:
             ex.server.end(response.status_code, outcome.value)
             ex.rec.finish(outcome)
             return response
-        ex.server.end(d.status)  # D answered: the KV arrived
-
         async def delivered(sent: bool) -> None:
+            # D answered (the KV arrived); the request's span ends once the client has it.
             if sent:  # not streamed: the whole answer is the first token the client sees
                 ex.rec.first_token()
+                ex.server.end(d.status)
                 ex.rec.finish(RouterOutcome.OK)
             else:
+                ex.server.end(499, RouterOutcome.CLIENT_DISCONNECTED.value)
                 ex.rec.finish(RouterOutcome.CLIENT_DISCONNECTED)
 
         return _Delivered(Response(d.body, status_code=d.status, media_type="application/json"), delivered)

@@ -142,6 +142,8 @@ class RequestRecord:
         exemplar = _exemplar(self.span)
         _guarded("ttft", lambda: self.metrics.ttft.labels(self.route, V.bool_label(self.stream))
                  .observe(seconds, exemplar))
+        if self.span is not None:
+            _guarded("ttft_attribute", lambda: self.span.set_attribute(V.RouterAttr.TTFT, seconds))
 
     def finish(self, outcome: RouterOutcome) -> None:
         """The request ended; the first outcome reported is the one counted."""
