@@ -1,7 +1,9 @@
 """The push-aware router against small real HTTP engines on loopback.
 
-The engines here are tiny ASGI apps (uvicorn, real sockets) that record what arrived
-and can be told to wait for the other leg, fail, or hang until disconnected. A P
+The engines (tests/support/fake_engines.py) are tiny ASGI apps (uvicorn, real sockets)
+that record what arrived and can be told to wait for the other leg, fail, hang until
+disconnected or hold their stream after the first event. The router's own /metrics are
+read from its registry (`get_sample_value`) and over HTTP. A P
 engine that answers only after D's leg has arrived, and a D engine that answers only
 after P's leg arrived, prove both legs are in flight at once: a router that sent
 them one after the other would time out.
