@@ -891,3 +891,115 @@ class RouterAttr:
     TRANSFER_ID = "vllm.nixl.transfer_id"
     PREFILL_ENGINE_ID = "vllm.nixl.remote_engine_id"
     ERROR_TYPE = "error.type"
+    # On router.request: the client's time to first token, as nixl_router_time_to_first_token_seconds
+    # observed it (so one request's trace carries the figure its stages add up to).
+    TTFT = "vllm.router.time_to_first_token_s"
+
+
+# ======================================================== router metrics (connector.router)
+# The router's own Prometheus metrics, served by the router itself (GET ROUTER_METRICS_PATH on
+# its HTTP port), not by vLLM. Kept out of ALL_METRICS: they carry neither `model_name` nor
+# `engine` (the router serves every model behind it and a label naming an engine would be
+# unbounded); Prometheus adds `job` and `instance`. Names and meaning follow the Gateway API
+# Inference Extension's endpoint picker (inference_objective_request_total,
+# inference_objective_running_requests, inference_objective_request_ttft_seconds), llm-d's
+# pd-proxy (its `true_ttft_ms` span attribute; ours is a histogram, up to the first token the
+# client receives) and OpenTelemetry's HTTP metrics (http.server.active_requests,
+# http.client.request.duration; `route` is http.route) where they fit.
+ROUTER_METRICS_PATH = "/metrics"
+ROUTE_COMPLETIONS = "/v1/completions"
+ROUTE_CHAT = "/v1/chat/completions"
+ROUTER_ROUTES = (ROUTE_COMPLETIONS, ROUTE_CHAT)
+
+
+class RouterLabel:
+    ROUTE = "route"  # the OpenAI route the client called (OTel http.route)
+    LEG = "leg"  # RouterLeg
+    STREAM = "stream"  # the client asked `stream: true`
+
+
+class RouterOutcome(_Vocab):
+    """How one client request through the router ended."""
+
+    OK = "ok"  # D's answer reached the client
+    PREFILL_FAILED = "prefill_failed"  # P answered an error or could not be reached
+    DECODE_FAILED = "decode_failed"  # D answered an error, could not be reached, or its stream broke
+    CLIENT_DISCONNECTED = "client_disconnected"  # the client went away first: both legs stopped
+    BAD_REQUEST = "bad_request"  # the router refused the body (400); no leg was sent
+
+
+class LegOutcome(_Vocab):
+    OK = "ok"  # a 2xx answer, read to its end
+    FAILED = "failed"  # an error status, no answer (unreachable, timeout), or a broken stream
+    CANCELLED = "cancelled"  # the router stopped it (see LegCancel)
+
+
+class LegCancel(_Vocab):
+    """Why the router stopped a leg still in flight (its connection closed, so vLLM aborts it)."""
+
+    OTHER_LEG_FAILED = "other_leg_failed"  # D must not wait for KV that never comes, nor P push to nobody
+    CLIENT_DISCONNECTED = "client_disconnected"
+    REQUEST_SERVED = "request_served"  # D's stream ended before P's answer came: nothing waits for it
+
+
+# Client TTFT spans a cache hit on a warm pair (milliseconds) to a long queue or prompt (minutes).
+# Finer where a healthy pair answers (0.1 s to 1 s), so p50 and p95 there are not one bucket.
+ROUTER_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5,
+                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ROUTER_LEG_BUCKETS = ROUTER_TTFT_BUCKETS
+
+ROUTER_REQUESTS = MetricSpec(
+    "nixl_router_requests",
+    MetricKind.COUNTER,
+    (RouterLabel.ROUTE, Label.OUTCOME),
+    "Client requests the router finished, by route and outcome (ok, prefill_failed, "
+    "decode_failed, client_disconnected, bad_request).",
+)
+ROUTER_REQUESTS_IN_FLIGHT = MetricSpec(
+    "nixl_router_requests_in_flight",
+    MetricKind.GAUGE,
+    (RouterLabel.ROUTE,),
+    "Client requests the router is handling now: received, answer not yet delivered.",
+)
+ROUTER_TTFT = MetricSpec(
+    "nixl_router_time_to_first_token_seconds",
+    MetricKind.HISTOGRAM,
+    (RouterLabel.ROUTE, RouterLabel.STREAM),
+    "Time to first token as the client sees it: from the request's arrival at the router until "
+    "its first token was sent to the client (streamed: D's first event; not streamed: the whole "
+    "answer). Successful requests only.",
+    unit="s",
+    buckets=ROUTER_TTFT_BUCKETS,
+)
+ROUTER_LEG_DURATION = MetricSpec(
+    "nixl_router_leg_duration_seconds",
+    MetricKind.HISTOGRAM,
+    (RouterLabel.LEG, Label.OUTCOME),
+    "Wall time of one leg, from the router sending it until its answer was read to the end "
+    "(D streamed: the last event), it failed, or the router cancelled it.",
+    unit="s",
+    buckets=ROUTER_LEG_BUCKETS,
+)
+ROUTER_LEGS_CANCELLED = MetricSpec(
+    "nixl_router_legs_cancelled",
+    MetricKind.COUNTER,
+    (RouterLabel.LEG, Label.REASON),
+    "Legs the router stopped while in flight, by leg and why (other_leg_failed, "
+    "client_disconnected, request_served).",
+)
+ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_REQUESTS, ROUTER_REQUESTS_IN_FLIGHT, ROUTER_TTFT,
+                                          ROUTER_LEG_DURATION, ROUTER_LEGS_CANCELLED)
+# With tracing on, TTFT carries the router.request span's exemplar, a leg its router.leg.* span's.
+ROUTER_EXEMPLAR_METRICS: tuple[MetricSpec, ...] = (ROUTER_TTFT, ROUTER_LEG_DURATION)
+
+# The router's label values join the closed sets above (one vocabulary, one lookup).
+LABEL_VALUES.update({
+    RouterLabel.ROUTE: ROUTER_ROUTES,
+    RouterLabel.LEG: tuple(leg.value for leg in RouterLeg),
+    RouterLabel.STREAM: BOOL_VALUES,
+})
+METRIC_LABEL_VALUES.update({
+    (ROUTER_REQUESTS.name, Label.OUTCOME): tuple(o.value for o in RouterOutcome),
+    (ROUTER_LEG_DURATION.name, Label.OUTCOME): tuple(o.value for o in LegOutcome),
+    (ROUTER_LEGS_CANCELLED.name, Label.REASON): tuple(r.value for r in LegCancel),
+})

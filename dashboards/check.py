@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,16 @@ import yaml
 
 from connector import vocabulary as V
 from dashboards import panels, promql
-from dashboards.queries import BASE_LABELS, LITERAL_ALTERNATIVES, RANGE, RATE, all_specs, series_index
+from dashboards.queries import (
+    BASE_LABELS,
+    LITERAL_ALTERNATIVES,
+    RANGE,
+    RATE,
+    all_specs,
+    base_labels,
+    scope_of,
+    series_index,
+)
 from dashboards.rules import RULES_FILE
 
 VOCAB_LABELS = frozenset(V.LABEL_VALUES)
@@ -55,7 +65,8 @@ def check_expr(expr: str, where: str, *, allow_variables: bool) -> list[str]:
     for m in promql.matchers(expr):
         spec = index.get(m.metric)
         if spec is not None:
-            allowed = BASE_LABELS | set(spec.labels) | ({"le"} if m.metric.endswith("_bucket") else set())
+            allowed = (base_labels(spec) | set(spec.labels)
+                       | ({"le"} if m.metric.endswith("_bucket") else set()))
         else:
             allowed = all_labels
         if m.label not in allowed:
@@ -147,6 +158,120 @@ def check_dashboard(dashboard: dict[str, Any],
     return errors
 
 
+# ------------------------------------------------------------ vLLM's dashboard conventions
+# vLLM's tools/generate_grafana_dashboards.py: ${datasource}, job, model_name, instance and
+# engine variables; rates over $__rate_interval (checked above); ratios that drop zero
+# denominators; optional sections as collapsed rows titled "(requires ...)"; descriptions
+# that end with the metrics they read. dashboards/README.md says where we differ and why.
+_SCOPE_MATCHER = re.compile(r'(\w+)(=~|=)"([^"]*)"')
+
+
+def _parse_matchers(matchers: tuple[str, ...]) -> set[tuple[str, str, str]]:
+    return {m.groups() for text in matchers if (m := _SCOPE_MATCHER.fullmatch(text))}
+
+
+def unguarded_divisions(expr: str) -> list[str]:
+    """Right operands of `/` that are neither a number nor a parenthesised `... > 0`."""
+    text = re.sub(r'"(?:\\.|[^"\\])*"', '""', expr)
+    text = re.sub(r"\[[^\]]*\]", "[]", text)
+    out = []
+    for match in re.finditer(r"/", text):
+        rest = text[match.end():].lstrip()
+        if re.match(r"[0-9.]+(?:e[+-]?\d+)?\b", rest):
+            continue
+        if not rest.startswith("("):
+            out.append(rest[:40])
+            continue
+        end = _closing(rest)
+        if not rest[1:end].rstrip().endswith("> 0"):
+            out.append(rest[:end + 1][:60])
+    return out
+
+
+def _closing(text: str) -> int:
+    """Index of the parenthesis closing the one `text` starts with."""
+    depth = 0
+    for index, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return index
+    return len(text)
+
+
+def check_conventions(dashboard: dict[str, Any]) -> list[str]:
+    """Where the dashboard departs from vLLM's conventions (each departure is an error)."""
+    errors: list[str] = []
+    variables = {v.get("name"): v for v in dashboard.get("templating", {}).get("list", [])}
+    ds = variables.get("datasource", {})
+    if ds.get("type") != "datasource" or ds.get("query") != "prometheus":
+        errors.append("variable $datasource must be a Prometheus data source variable")
+    for name in ("job", "model_name", "instance", "engine"):
+        if variables.get(name, {}).get("type") != "query":
+            errors.append(f"variable ${name} must be a query variable")
+    for row in (p for p in dashboard.get("panels", []) if p.get("type") == "row"):
+        optional = bool(panels.REQUIRES.fullmatch(row.get("title", "")))
+        if bool(row.get("collapsed")) != optional:
+            errors.append(f"row {row.get('title')!r}: a collapsed row is an optional section titled "
+                          "'... (requires ...)', and only such a row is collapsed")
+    for panel in panels.iter_panels(dashboard):
+        where = f"panel {panel.get('title')!r}"
+        targets = panel.get("targets") or []
+        try:
+            line = panels.metrics_line(targets)
+        except promql.PromQLError:
+            continue  # reported by check_expr
+        if not (panel.get("description") or "").endswith(line):
+            errors.append(f"{where}: description must end with {line.strip()!r}")
+        for t in targets:
+            expr, query = t.get("expr", ""), f"{where} query {t.get('refId')}"
+            errors += [f"{query}: ratio without a zero-denominator guard: / {d}"
+                       for d in unguarded_divisions(expr)]
+            by_metric: dict[str, set[tuple[str, str, str]]] = {}
+            for m in promql.matchers(expr):
+                by_metric.setdefault(m.metric, set()).add((m.label, m.op, m.value))
+            for metric, have in by_metric.items():
+                if metric in series_index():
+                    missing = _parse_matchers(scope_of(metric)) - have
+                    errors += [f"{query}: {metric} is not scoped by {label}{op}\"{value}\""
+                               for label, op, value in sorted(missing)]
+    return errors
+
+
+# ------------------------------------------------------------------------------ Perses
+def check_perses(grafana: dict[str, Any], resources: list[dict[str, Any]]) -> list[str]:
+    """Each Perses resource passes Perses' schema and carries every row, panel and query of
+    the Grafana dashboard, with a Perses counterpart for each panel type."""
+    from dashboards import perses, perses_schema
+
+    errors = [f"Grafana panel {p.get('title')!r}: type {p.get('type')!r} has no Perses counterpart "
+              "(dashboards/perses.py PANEL_KINDS)" for p in panels.iter_panels(grafana)
+              if p.get("type") not in perses.PANEL_KINDS]
+    want_rows = [(row["title"], not row["collapsed"], [p["title"] for p in members])
+                 for row, members in perses._rows(grafana)]
+    want_queries = {p["title"]: [(t["expr"], bool(t.get("instant"))) for t in p["targets"]]
+                    for p in panels.iter_panels(grafana)}
+    for resource in resources:
+        where = f"Perses {resource.get('kind')}"
+        problems = perses_schema.problems(resource)
+        errors += [f"{where}: {e}" for e in problems]
+        if problems:
+            continue
+        spec = resource["spec"] if resource["kind"] == "Dashboard" else resource["spec"]["config"]
+        by_key = spec["panels"]
+        rows = [(layout["spec"]["display"]["title"], layout["spec"]["display"]["collapse"]["open"],
+                 [by_key[item["content"]["$ref"].rsplit("/", 1)[1]]["spec"]["display"]["name"]
+                  for item in layout["spec"]["items"]]) for layout in spec["layouts"]]
+        if rows != want_rows:
+            errors.append(f"{where}: rows and panels differ from the Grafana dashboard's")
+        for panel in by_key.values():
+            title = panel["spec"]["display"]["name"]
+            got = [(q["spec"]["plugin"]["spec"]["query"], bool(q["spec"]["plugin"]["spec"].get("instant")))
+                   for q in panel["spec"].get("queries", [])]
+            if got != want_queries.get(title):
+                errors.append(f"{where}: panel {title!r}: queries differ from the Grafana panel's")
+    return errors
+
+
 def check_rules(rules: dict[str, Any]) -> list[str]:
     errors: list[str] = []
     names: set[str] = set()
@@ -180,10 +305,23 @@ def check_files(root: Path, rendered: dict[str, str]) -> list[str]:
     dashboard_path = root / panels.DASHBOARD_FILE
     if dashboard_path.exists():
         try:
+            on_disk = json.loads(dashboard_path.read_text())
             errors += [f"{panels.DASHBOARD_FILE}: {e}" for e in
-                       check_dashboard(json.loads(dashboard_path.read_text()))]
+                       check_dashboard(on_disk) + check_conventions(on_disk)]
         except json.JSONDecodeError as exc:
             errors.append(f"{panels.DASHBOARD_FILE}: invalid JSON: {exc}")
+    from dashboards import perses
+
+    on_disk_perses = []
+    for rel in (perses.DASHBOARD_FILE, perses.OPERATOR_FILE):
+        if (root / rel).exists():
+            try:
+                on_disk_perses.append(yaml.safe_load((root / rel).read_text()) or {})
+            except yaml.YAMLError as exc:
+                errors.append(f"{rel}: invalid YAML: {exc}")
+    if dashboard_path.exists() and on_disk_perses:
+        with contextlib.suppress(json.JSONDecodeError):  # (reported above)
+            errors += check_perses(json.loads(dashboard_path.read_text()), on_disk_perses)
     rules_path = root / RULES_FILE
     if rules_path.exists():
         errors += [f"{RULES_FILE}: {e}" for e in check_rules(yaml.safe_load(rules_path.read_text()) or {})]

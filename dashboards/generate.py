@@ -4,13 +4,16 @@ and docs/telemetry.md, all rendered from `connector.vocabulary`.
     python -m dashboards.generate          # (re)write every generated file
     python -m dashboards.generate --check  # fail if a file is stale or a query is wrong
 
-`--check` fails when a checked-in file differs from what is generated, when a panel or
+`--check` fails when a checked-in file (Grafana, Perses, rules, Kubernetes objects, the doc)
+differs from what is generated, when the Perses dashboards fail Perses' schema or lose a
+row, panel or query of the Grafana one, when a panel or
 rule selects a metric, label or label value the vocabulary does not define, when a
 metric of the vocabulary is on no panel, when a panel lacks a unit or a description
 naming its metrics, when a rate does not use `$__rate_interval` or a range panel uses
 `increase()`, and when a telemetry-error reason has no text for docs/telemetry.md.
-Which module does what: panels.py (dashboard), rules.py (rules), k8s.py (YAML and the
-Kubernetes objects), telemetry_doc.py (the doc), check.py (the checks).
+Which module does what: panels.py (dashboard), perses.py (the same for Perses),
+perses_schema.py (Perses' schema), rules.py (rules), k8s.py (YAML and the Kubernetes
+objects), telemetry_doc.py (the doc), check.py (the checks).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from dashboards import check, k8s, panels, rules, telemetry_doc
+from dashboards import check, k8s, panels, perses, rules, telemetry_doc
 from dashboards.queries import all_specs
 
 ROOT = Path(__file__).resolve().parent
@@ -35,6 +38,7 @@ def render_all() -> dict[str, str]:
         rules.RULES_FILE: k8s.HEADER + k8s.to_yaml(rule_groups),
         k8s.CONFIGMAP_FILE: k8s.render_configmap(panels.DASHBOARD_FILE, dashboard_json),
         k8s.PROMETHEUS_RULE_FILE: k8s.render_prometheus_rule(rule_groups),
+        **perses.render(),
     }
 
 
@@ -46,8 +50,11 @@ def _outputs(root: Path, doc: Path) -> dict[Path, str]:
 
 def generated_errors() -> list[str]:
     """Problems of what the generator renders (checked before anything is written)."""
-    return (check.check_dashboard(panels.build_dashboard()) + check.check_rules(rules.build_rules())
-            + telemetry_doc.missing_texts())
+    dashboard = panels.build_dashboard()
+    return (check.check_dashboard(dashboard) + check.check_conventions(dashboard)
+            + check.check_perses(dashboard, [perses.build_dashboard(dashboard),
+                                             perses.build_operator_resource(dashboard)])
+            + check.check_rules(rules.build_rules()) + telemetry_doc.missing_texts())
 
 
 def check_all(root: Path, doc: Path) -> list[str]:

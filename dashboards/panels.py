@@ -8,22 +8,25 @@ each with the engines' own /metrics after a known run.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from connector import vocabulary as V
-from connector.vocabulary import Label
-from dashboards import rules
+from connector.vocabulary import Label, MetricKind, MetricSpec, RouterLabel
+from dashboards import promql, rules
 from dashboards.queries import (
     D_TO_P,
     FAILURE,
     FLAVOR,
     FULL,
+    LEG_OK,
     NOTIF_ONLY,
     QUEUE_WAIT,
     RATE,
     RENEWED,
+    ROUTER_OK,
     STILL_WANTED,
     UNKNOWN_REQUEST,
     bucket,
@@ -34,6 +37,7 @@ from dashboards.queries import (
     quantile,
     range_change,
     sel,
+    series_index,
     total,
 )
 
@@ -45,9 +49,15 @@ SCHEMA_VERSION = 39
 DS = {"type": "prometheus", "uid": "${datasource}"}
 VARIABLES = ("datasource", "job", "model_name", "instance", "engine", "jaeger")
 BUILTIN_VARIABLES = {"__rate_interval", "__range", "__interval", "__range_s", "__interval_ms"}
-# The series the variables are read from: pre-created at 0 by every engine running the fork.
+# The series the variables are read from: pre-created at 0 by every engine running the fork
+# (model_name, engine) and, for the scrape targets (job, instance), by the router too.
 VARIABLE_SOURCE = V.PUSHES.series_names[0]
+TARGET_SOURCE = '{__name__=~"' + "|".join((VARIABLE_SOURCE, V.ROUTER_REQUESTS.series_names[0])) + '"}'
 COUNT_UNIT = "short"
+# vLLM's convention: a description ends with the metrics its panel reads.
+METRICS_LINE = "\n\nMetric{s}: {names}"
+# A collapsed row is an optional section; its title says what it needs.
+REQUIRES = re.compile(r".+ \(requires .+\)$")
 
 # Exemplars: the latency histograms carry {trace_id, span_id} exemplars (OpenMetrics);
 # their panels show them, and a click opens the trace in the $jaeger data source.
@@ -63,7 +73,7 @@ EXEMPLAR_NOTE = (" Exemplars (points) carry the trace_id of a traced observation
                  "open its trace in the $jaeger data source (tracing on, Prometheus with "
                  "--enable-feature=exemplar-storage).")
 # Latency histograms whose observations carry exemplars (their panels must show them).
-EXEMPLAR_BUCKETS = frozenset(bucket(spec) for spec in V.EXEMPLAR_METRICS)
+EXEMPLAR_BUCKETS = frozenset(bucket(spec) for spec in V.EXEMPLAR_METRICS + V.ROUTER_EXEMPLAR_METRICS)
 EXACT_NOTE = (" Exact: the counters' change between the range's start and end (no "
               "extrapolation; a series born inside the range counts from 0).")
 
@@ -86,12 +96,31 @@ def target(expr: str, legend: str = "__auto", *, instant: bool = False) -> dict[
             "range": not instant, "instant": instant, "refId": ""}
 
 
+def metric_label(spec: MetricSpec) -> str:
+    """How a description names a metric: as /metrics shows a counter (`_total`), else its name."""
+    return spec.series_names[0] if spec.kind is MetricKind.COUNTER else spec.name
+
+
+def read_metrics(targets: list[dict[str, Any]]) -> list[MetricSpec]:
+    """The vocabulary metrics the queries select, in the order they first appear."""
+    index, found = series_index(), []
+    for t in targets:
+        names = sorted(promql.metric_names(t["expr"]), key=t["expr"].index)
+        found += [index[n] for n in names if n in index]
+    return list(dict.fromkeys(found))
+
+
+def metrics_line(targets: list[dict[str, Any]]) -> str:
+    names = [f"`{metric_label(spec)}`" for spec in read_metrics(targets)]
+    return METRICS_LINE.format(s="s" if len(names) > 1 else "", names=", ".join(names))
+
+
 def _panel(kind: str, title: str, description: str, targets: list[dict[str, Any]], unit: str,
            defaults: dict[str, Any], options: dict[str, Any]) -> Panel:
     for i, t in enumerate(targets):
         t["refId"] = chr(ord("A") + i)
     return {
-        "type": kind, "title": title, "description": description, "datasource": DS,
+        "type": kind, "title": title, "description": description + metrics_line(targets), "datasource": DS,
         "fieldConfig": {"defaults": {"unit": unit, **defaults}, "overrides": []},
         "options": options, "targets": targets,
     }
@@ -554,6 +583,81 @@ def _stock() -> list[Cell]:
     ]
 
 
+def _router() -> list[Cell]:
+    reqs, cancelled = total(V.ROUTER_REQUESTS), total(V.ROUTER_LEGS_CANCELLED)
+    ttft, leg = V.ROUTER_TTFT, V.ROUTER_LEG_DURATION
+    in_flight = gauge(V.ROUTER_REQUESTS_IN_FLIGHT)
+    outcome, stream, route = Label.OUTCOME, RouterLabel.STREAM, RouterLabel.ROUTE
+    scoped = ("The router's own /metrics carry no model_name or engine label: its panels follow "
+              "the job and instance filters only.")
+    nan_note = "Windows without requests are dropped (`>= 0`)."
+    return [
+        Cell(bargauge("Router requests by outcome (range)",
+                      "Client requests the router finished in the dashboard range, by outcome: ok "
+                      "(D's answer reached the client), prefill_failed, decode_failed, "
+                      "client_disconnected (both legs stopped), bad_request (refused, no leg sent). "
+                      f"{scoped}" + EXACT_NOTE,
+                      [target(changed(reqs, labels=(outcome,)), "{{outcome}}")],
+                      COUNT_UNIT, no_value="0", decimals=0), 8, 6, headline=True),
+        Cell(stat("Router requests answered ok (range)",
+                  "Share of the client requests the router finished in the dashboard range whose "
+                  "answer reached the client (outcome ok). Shows 'no requests' when none finished "
+                  f"(a guarded denominator instead of NaN). {scoped}" + EXACT_NOTE,
+                  f"{changed(reqs, ROUTER_OK)} / ({changed(reqs)} > 0)", "percentunit",
+                  steps=thresholds(("red", None), ("orange", 0.99), ("green", 1)),
+                  no_value="no requests", decimals=1), 6, 6, headline=True),
+        Cell(bargauge("Mean client TTFT and leg latency (range)",
+                      "Mean time to first token as the client saw it (not streamed: the whole answer), "
+                      "by stream, and mean wall time of the legs that succeeded, by leg, over the "
+                      "dashboard range: the change of the histograms' _sum divided by the change of "
+                      "their _count (denominator guarded with > 0)." + EXACT_NOTE,
+                      [target(f"{changed(hsum(ttft), labels=(stream,))} / "
+                              f"({changed(hcount(ttft), labels=(stream,))} > 0)", "TTFT stream={{stream}}"),
+                       target(f"{changed(hsum(leg), LEG_OK, labels=(RouterLabel.LEG,))} / "
+                              f"({changed(hcount(leg), LEG_OK, labels=(RouterLabel.LEG,))} > 0)",
+                              "{{leg}} leg")],
+                      "s", no_value="no requests in range"), 10, 6, headline=True),
+        Cell(timeseries("Router requests/s by route and outcome",
+                        "Client requests the router finished per second, by route and outcome: rate of "
+                        f"{reqs}, whose series exist at 0 from start-up.",
+                        [target(f"sum {by(route, outcome)} (rate({sel(reqs)}[{RATE}]))",
+                                "{{route}} {{outcome}}")],
+                        "reqps"), 12, 8),
+        Cell(timeseries("Client TTFT p50 / p95 / p99",
+                        "Time to first token as the client sees it, from the request's arrival at the "
+                        "router until its first token was sent (streamed: D's first event; not "
+                        "streamed: the whole answer), by stream; successful requests only. Anchored on "
+                        f"llm-d's true_ttft_ms. {nan_note}",
+                        [target(quantile(q, ttft, (stream,), RATE),
+                                f"p{round(q * 100)} stream={{{{stream}}}}") for q in (0.5, 0.95, 0.99)],
+                        "s", exemplars=True), 12, 8),
+        Cell(timeseries("Leg latency p50 / p95 by leg",
+                        "Wall time of the legs that succeeded, from the router sending a leg until its "
+                        "answer was read to the end (D streamed: its last event), by leg (prefill: P's "
+                        f"one-token answer; decode: D's whole answer). {nan_note}",
+                        [target(quantile(q, leg, (RouterLabel.LEG,), RATE, LEG_OK),
+                                f"p{round(q * 100)} {{{{leg}}}}") for q in (0.5, 0.95)],
+                        "s", exemplars=True), 8, 8),
+        Cell(timeseries("Router requests in flight",
+                        "Client requests the router is handling now (received, answer not yet "
+                        f"delivered), by route: {in_flight}.",
+                        [target(f"sum {by(route)} ({sel(in_flight)})", "{{route}}")],
+                        COUNT_UNIT), 8, 8),
+        Cell(timeseries("Legs cancelled/s by leg and reason",
+                        "Legs the router stopped while in flight, per second, by leg and reason "
+                        "(other_leg_failed: D must not wait for KV that never comes; "
+                        "client_disconnected; request_served: D's stream ended before P's answer): "
+                        f"rate of {cancelled}.",
+                        [target(f"sum {by(RouterLabel.LEG, Label.REASON)} (rate({sel(cancelled)}[{RATE}]))",
+                                "{{leg}} {{reason}}")],
+                        "suffix: legs/s"), 8, 8),
+    ]
+
+
+# The rows in layout order: (title, collapsed, builder). A collapsed row is an optional
+# section titled "... (requires ...)". dashboards/perses.py renders the same rows for Perses.
+ROUTER_ROW = "Router (requires python -m connector.router)"
+STOCK_ROW = "NIXL transfers (requires NixlConnector)"
 ROWS: tuple[tuple[str, bool, Callable[[], list[Cell]]], ...] = (
     ("Overview", False, _overview),
     ("Handshakes", False, _handshakes),
@@ -564,7 +668,8 @@ ROWS: tuple[tuple[str, bool, Callable[[], list[Cell]]], ...] = (
     ("KV leases", False, _leases),
     ("Peers", False, _peers),
     ("Reliability", False, _reliability),
-    ("NIXL transfers (vLLM stock)", True, _stock),
+    (ROUTER_ROW, True, _router),
+    (STOCK_ROW, True, _stock),
 )
 
 
@@ -575,6 +680,11 @@ def cells() -> list[Cell]:
 
 def headline_titles() -> frozenset[str]:
     return frozenset(cell.panel["title"] for cell in cells() if cell.headline)
+
+
+def row_titles(row: str) -> frozenset[str]:
+    """Titles of the panels of one row."""
+    return frozenset(cell.panel["title"] for title, _, build in ROWS if title == row for cell in build())
 
 
 # ------------------------------------------------------------------ variables, layout
@@ -592,17 +702,21 @@ def _datasource_variable(name: str, label: str, kind: str) -> dict[str, Any]:
             "regex": "", "hide": 0, "current": {}, "options": [], "multi": False, "includeAll": False}
 
 
+# name -> (label, the series selector its values are read from, the label read)
+QUERY_VARIABLES: dict[str, tuple[str, str, str]] = {
+    "job": ("Job", TARGET_SOURCE, "job"),
+    "model_name": ("Model", f'{VARIABLE_SOURCE}{{job=~"$job"}}', "model_name"),
+    "instance": ("Instance", TARGET_SOURCE[:-1] + ',job=~"$job",model_name=~"$model_name"}', "instance"),
+    "engine": ("Engine", f'{VARIABLE_SOURCE}{{job=~"$job",model_name=~"$model_name",instance=~"$instance"}}',
+               "engine"),
+}
+
+
 def _templating() -> dict[str, Any]:
-    src = VARIABLE_SOURCE
     return {"list": [
         _datasource_variable("datasource", "Data source", "prometheus"),
-        _variable("job", "job", f"label_values({src}, job)"),
-        _variable("model_name", "model", f'label_values({src}{{job=~"$job"}}, model_name)'),
-        _variable("instance", "instance",
-                  f'label_values({src}{{job=~"$job",model_name=~"$model_name"}}, instance)'),
-        _variable("engine", "engine",
-                  f'label_values({src}{{job=~"$job",model_name=~"$model_name",'
-                  f'instance=~"$instance"}}, engine)'),
+        *(_variable(name, label, f"label_values({source}, {read})")
+          for name, (label, source, read) in QUERY_VARIABLES.items()),
         _datasource_variable(JAEGER_VARIABLE, "Traces (Jaeger)", "jaeger"),
     ]}
 
@@ -634,8 +748,8 @@ def build_dashboard() -> dict[str, Any]:
         "title": DASHBOARD_TITLE,
         "description": "NIXL push-mode KV connector: handshakes by flavor, descriptor "
                        "registrations saved, phase latency, executor queue wait, failures, "
-                       "PUSH_REG, pushes and KV leases. Generated by dashboards/generate.py from "
-                       "connector/vocabulary.py; do not edit by hand.",
+                       "PUSH_REG, pushes, KV leases and the router. Generated by "
+                       "dashboards/generate.py from connector/vocabulary.py; do not edit by hand.",
         "tags": ["vllm", "nixl", "kv-transfer", "push"],
         "schemaVersion": SCHEMA_VERSION,
         "version": 1,

@@ -15,23 +15,42 @@ from connector.vocabulary import Label, MetricKind, MetricSpec
 
 RATE = "$__rate_interval"
 RANGE = "$__range"
-# Every panel query is scoped by the dashboard variables (multi-value, hence =~).
+# Every panel query is scoped by the dashboard variables its metric carries (multi-value,
+# hence =~): engine metrics by all four, the router's (no model_name, no engine) by the
+# scrape target's two, as vLLM's own dashboards scope its HTTP metrics.
 SCOPE = ('job=~"$job"', 'model_name=~"$model_name"', 'instance=~"$instance"', 'engine=~"$engine"')
-# Labels Prometheus or vLLM put on every series, besides the vocabulary's own.
+TARGET_SCOPE = ('job=~"$job"', 'instance=~"$instance"')
+# Labels Prometheus or vLLM put on every engine series, besides the vocabulary's own.
 BASE_LABELS = frozenset({"job", "instance", Label.MODEL_NAME, Label.ENGINE})
+TARGET_LABELS = frozenset({"job", "instance"})
 # What the rules aggregate by: one alert or recorded series per engine.
 INSTANCE = ("job", "instance", Label.MODEL_NAME, Label.ENGINE)
 FLAVOR = (Label.DIRECTION, Label.NOTIF_AGENTS_ONLY)
 
 
 def all_specs() -> tuple[MetricSpec, ...]:
-    """Every metric a query may select: ours and the stock vLLM NIXL metrics we keep."""
-    return V.ALL_METRICS + V.STOCK_METRICS
+    """Every metric a query may select: ours, the stock vLLM NIXL metrics we keep, the router's."""
+    return V.ALL_METRICS + V.STOCK_METRICS + V.ROUTER_METRICS
 
 
 def series_index() -> dict[str, MetricSpec]:
     """Series name (as stored by Prometheus) -> its metric spec."""
     return {series: spec for spec in all_specs() for series in spec.series_names}
+
+
+def is_router(spec: MetricSpec) -> bool:
+    return spec in V.ROUTER_METRICS
+
+
+def base_labels(spec: MetricSpec | None) -> frozenset[str]:
+    """Labels a series has besides its vocabulary labels (None: any series, engine or router)."""
+    return TARGET_LABELS if spec is not None and is_router(spec) else BASE_LABELS
+
+
+def scope_of(series: str) -> tuple[str, ...]:
+    """The dashboard-variable matchers a series can be scoped by."""
+    spec = series_index().get(series)
+    return TARGET_SCOPE if spec is not None and is_router(spec) else SCOPE
 
 
 def total(spec: MetricSpec) -> str:
@@ -84,7 +103,7 @@ def one_of(label: str, *values: object) -> str:
 
 
 def sel(series: str, *matchers: str, scoped: bool = True) -> str:
-    parts = (*SCOPE, *matchers) if scoped else matchers
+    parts = (*scope_of(series), *matchers) if scoped else matchers
     return series + "{" + ",".join(parts) + "}" if parts else series
 
 
@@ -126,3 +145,5 @@ NOT_SUCCESS = f'{Label.OUTCOME}!="{V.ReceiveOutcome.SUCCESS.value}"'
 STILL_WANTED = one_of(Label.FATE, V.LeaseFate.WAITING, V.LeaseFate.REGISTERED)
 UNKNOWN_REQUEST = eq(Label.OUTCOME, V.LeaseRenewal.UNKNOWN_REQUEST)
 RENEWED = eq(Label.OUTCOME, V.LeaseRenewal.RENEWED)
+ROUTER_OK = eq(Label.OUTCOME, V.RouterOutcome.OK)
+LEG_OK = eq(Label.OUTCOME, V.LegOutcome.OK)

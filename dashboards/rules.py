@@ -25,6 +25,7 @@ from dashboards.queries import (
     by,
     eq,
     hcount,
+    one_of,
     quantile,
     sel,
     total,
@@ -49,6 +50,10 @@ PEER_RESTART_WINDOW = "10m"
 # soon: a network partition between it and its prefill, or a prefill that never answers
 # (vLLM's own watchdog, push_registration_timeout, is 480 s).
 REMOTE_PREFILL_WAIT_THRESHOLD_S = 120
+# Clients getting an engine error through the router: the share of its requests that
+# failed on a leg (bad bodies and clients that went away are not the deployment's fault).
+ROUTER_ERROR_RATIO_THRESHOLD = 0.05
+ROUTER_WINDOW = "10m"
 
 
 def s(series: str, *matchers: str) -> str:
@@ -115,6 +120,29 @@ def _peer_alerts() -> list[dict[str, Any]]:
                             f"{REMOTE_PREFILL_WAIT_THRESHOLD_S}s). Nothing failed: the path to its "
                             "prefill may be partitioned (NIXL queues what it cannot send), or the "
                             "prefill never answers; vLLM fails it after push_registration_timeout."}},
+    ]
+
+
+def _router_alerts() -> list[dict[str, Any]]:
+    """The router's clients get errors: a leg failed for a share of its requests."""
+    reqs, win = total(V.ROUTER_REQUESTS), ROUTER_WINDOW
+    target = ("job", "instance")
+    failed = one_of(Label.OUTCOME, V.RouterOutcome.PREFILL_FAILED, V.RouterOutcome.DECODE_FAILED)
+    counted = f'{Label.OUTCOME}!="{V.RouterOutcome.BAD_REQUEST.value}"'
+    return [
+        {"alert": "NixlRouterLegErrorRatioHigh",
+         "expr": f"sum {by(*target)} (rate({s(reqs, failed)}[{win}]))\n/\n"
+                 f"(sum {by(*target)} (rate({s(reqs, counted)}[{win}])) > 0)\n"
+                 f"> {ROUTER_ERROR_RATIO_THRESHOLD}",
+         "for": "5m",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "Router requests failing on a leg on {{ $labels.instance }}",
+             "description": "{{ $value | humanizePercentage }} of the requests router "
+                            f"{{{{ $labels.instance }}}} handled over {win} failed on their prefill "
+                            "or decode leg (threshold "
+                            f"{ROUTER_ERROR_RATIO_THRESHOLD:.0%}): clients got an engine's error. See "
+                            "the Router row for which leg, and the engines' rows for why."}},
     ]
 
 
@@ -246,6 +274,7 @@ def build_rules() -> dict[str, Any]:
                             f"{RECEIVE_P99_THRESHOLD_S}s), from registration to KV landed."}},
         *_lease_alerts(),
         *_peer_alerts(),
+        *_router_alerts(),
     ]
     return {"groups": [
         {"name": "nixl-push.recording", "rules": recording},

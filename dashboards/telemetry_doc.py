@@ -109,6 +109,30 @@ def _metrics() -> list[str]:
               f"With tracing on, observations of {_code(s.name for s in V.EXEMPLAR_METRICS)} carry an "
               f"OpenMetrics exemplar with the labels `{V.EXEMPLAR_TRACE_ID}` and `{V.EXEMPLAR_SPAN_ID}`: "
               "the trace and span of the observed request, handshake or phase.", ""]
+    return lines + _router_metrics()
+
+
+def _router_metrics() -> list[str]:
+    lines = ["## Router metrics", "",
+             "`python -m connector.router` serves its own metrics at `GET "
+             f"{V.ROUTER_METRICS_PATH}` on its HTTP port (prometheus_client; OpenMetrics, with "
+             "exemplars, when the scraper asks for it). They have no `model_name` or `engine` label "
+             "(Prometheus adds `job` and `instance`); every series below exists at 0 from start-up. "
+             "Names follow the Gateway API Inference Extension's endpoint picker "
+             "(`inference_objective_request_total`, `inference_objective_running_requests`, "
+             "`inference_objective_request_ttft_seconds`), llm-d's pd-proxy (its `true_ttft_ms`) and "
+             "OpenTelemetry's HTTP metrics (`http.server.active_requests`, "
+             f"`http.client.request.duration`; `{V.RouterLabel.ROUTE}` is `http.route`).", "",
+             _row("metric", "type", "labels", "unit", "help"), _row("---", "---", "---", "---", "---")]
+    lines += [_row(_exposed(spec), spec.kind.value, _labels(spec), spec.unit or "-", spec.help)
+              for spec in V.ROUTER_METRICS]
+    lines += ["", "Histogram buckets (upper bounds, seconds; `+Inf` added):", "",
+              _row("histogram", "buckets"), _row("---", "---")]
+    lines += [_row(f"`{spec.name}`", ", ".join(f"{b:g}" for b in spec.buckets))
+              for spec in V.ROUTER_METRICS if spec.kind is MetricKind.HISTOGRAM]
+    lines += ["", f"At most {V.series_bound(V.ROUTER_METRICS):,} samples per router. With tracing on, "
+              f"{_code(s.name for s in V.ROUTER_EXEMPLAR_METRICS)} carry exemplars: TTFT the "
+              f"`{V.SPAN_ROUTER_REQUEST}` span's, a leg its `{V.SPAN_ROUTER_LEG_PREFIX}*` span's.", ""]
     return lines
 
 

@@ -28,7 +28,7 @@ from dashboards import preview
 from demo import drive, report
 from demo.engines import PROGRESS_DELAY_US, REPO, SERVED_MODEL
 from demo.network import unavailable_reason
-from demo.stack import JOB, Stack
+from demo.stack import JOB, ROUTER_JOB, Stack
 from harness.poll import wait_until
 
 WORKDIR = REPO / ".cache" / "demo-run"
@@ -93,7 +93,7 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
             failed += 1
             print(f"  MISMATCH {o.request_id}: {o.error or f'got {o.tokens}, reference {o.reference}'}")
     t_sent = time.time()
-    wait_until(lambda: (prom.value(f'min(timestamp(up{{job="{JOB}"}}))') or 0) > t_sent + 1.5,
+    wait_until(lambda: (prom.value(f'min(timestamp(up{{job=~"{JOB}|{ROUTER_JOB}"}}))') or 0) > t_sent + 1.5,
                "Prometheus to scrape after the last request", 60, 0.25)
     p_data, d_data = report.samples(stack.prefill.metrics()), report.samples(stack.decode.metrics())
     data = p_data + d_data
@@ -119,6 +119,10 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
         source, lines = report.phase_lines(stack.spans(), prom, JOB)
         section(f"Handshake phases ({source})", lines)
     section("KV pushes", report.push_lines(p_data, d_data, outcomes))
+    router, router_failed = report.router_lines(report.samples(stack.router.metrics()), prom, ROUTER_JOB,
+                                                sent=len(outcomes))
+    failed += router_failed
+    section("Router (its /metrics; p50/p95: Prometheus, within buckets)", router)
     rules, firing = report.rule_lines(prom)
     failed += firing
     section("Prometheus rules (dashboards/rules)", rules)

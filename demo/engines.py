@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from connector.vocabulary import ROUTER_METRICS_PATH
 from harness.poll import wait_until
 from harness.ports import free_port
 
@@ -303,3 +304,8 @@ class RouterProcess(Process):
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         self.wait_http(self.url + "/health", timeout_s)
+
+    def metrics(self) -> str:
+        """The router's own `/metrics` (text format)."""
+        with urllib.request.urlopen(self.url + ROUTER_METRICS_PATH, timeout=10) as resp:
+            return resp.read().decode()

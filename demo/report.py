@@ -1,7 +1,8 @@
 """What the demo prints after its requests, read from the running systems.
 
-Engine `/metrics` (vLLM's own endpoint, our metrics on it), Prometheus' API (rule
-states, phase medians, exemplars) and the OTLP receiver (trace trees). Nothing here
+Engine `/metrics` (vLLM's own endpoint, our metrics on it), the router's `/metrics`,
+Prometheus' API (rule states, phase medians, quantiles, exemplars) and the OTLP receiver
+(trace trees). Nothing here
 is computed from the demo's own bookkeeping, except the output check.
 """
 
@@ -23,6 +24,10 @@ from connector.vocabulary import (
     HANDSHAKES,
     PUSH_REG_NOTIFS,
     PUSHES,
+    ROUTER_LEG_DURATION,
+    ROUTER_LEGS_CANCELLED,
+    ROUTER_REQUESTS,
+    ROUTER_TTFT,
     SPAN_HANDSHAKE,
     SPAN_PHASE_PREFIX,
     SPAN_PUSH_RECEIVE,
@@ -30,6 +35,10 @@ from connector.vocabulary import (
     SPAN_ROUTER_REQUEST,
     Attr,
     Label,
+    LegOutcome,
+    RouterLabel,
+    RouterLeg,
+    RouterOutcome,
 )
 from dashboards.promrun import PrometheusServer
 from demo.drive import Outcome
@@ -228,3 +237,45 @@ def span_tree(spans: list[dict[str, Any]], trace_id: str) -> list[str]:
     if left:
         lines.append(f"({left} span(s) in a parent cycle, not shown)")
     return lines
+
+
+def _quantile(prom: PrometheusServer, q: float, bucket: str, job: str, by: str,
+              *matchers: str) -> dict[str, float]:
+    """Prometheus' histogram_quantile over a histogram's buckets since the router started
+    (the demo's router serves only the demo's requests), by one label."""
+    sel = ",".join((f'job="{job}"', *matchers))
+    expr = f"histogram_quantile({q}, sum by (le, {by}) ({bucket}{{{sel}}})) >= 0"
+    return {r["metric"].get(by, ""): float(r["value"][1]) for r in prom.query(expr)}
+
+
+def router_lines(data: list[Sample], prom: PrometheusServer, job: str, sent: int) -> tuple[list[str], int]:
+    """The router's requests by outcome, client TTFT and leg latencies; (lines, failed checks).
+
+    Counts and means (exact) come from the router's own /metrics; p50/p95 are Prometheus'
+    histogram_quantile, interpolated within the router's buckets."""
+    outcomes = {o.value: total(data, ROUTER_REQUESTS.series_names[0], outcome=o.value) for o in RouterOutcome}
+    lines = ["requests: " + ", ".join(f"{v:.0f} {k}" for k, v in outcomes.items())]
+    failed = 0
+    if outcomes[RouterOutcome.OK.value] != sent or sum(outcomes.values()) != sent:
+        failed += 1
+        lines.append(f"CHECK FAILED: the router counted {sum(outcomes.values()):.0f} request(s), "
+                     f"{outcomes['ok']:.0f} ok; the demo sent {sent}, all answered")
+    ttft = {q: _quantile(prom, q, ROUTER_TTFT.name + "_bucket", job, RouterLabel.STREAM) for q in (0.5, 0.95)}
+    for stream in sorted(ttft[0.5]):
+        n = total(data, ROUTER_TTFT.name + "_count", stream=stream)
+        mean = total(data, ROUTER_TTFT.name + "_sum", stream=stream) / n if n else 0.0
+        kind = "streamed: first event" if stream == "true" else "not streamed: the whole answer"
+        lines.append(f"client TTFT ({kind}, {n:.0f} requests): p50 {ttft[0.5][stream] * 1e3:.0f} ms, "
+                     f"p95 {ttft[0.95][stream] * 1e3:.0f} ms, mean {mean * 1e3:.0f} ms")
+    legs = {q: _quantile(prom, q, ROUTER_LEG_DURATION.name + "_bucket", job, RouterLabel.LEG,
+                         f'{Label.OUTCOME}="{LegOutcome.OK.value}"') for q in (0.5, 0.95)}
+    for leg in (RouterLeg.PREFILL.value, RouterLeg.DECODE.value):
+        if leg in legs[0.5]:
+            ok = {"leg": leg, "outcome": LegOutcome.OK.value}
+            n = total(data, ROUTER_LEG_DURATION.name + "_count", **ok)
+            mean = total(data, ROUTER_LEG_DURATION.name + "_sum", **ok) / n if n else 0.0
+            lines.append(f"{leg} leg ({n:.0f} ok): p50 {legs[0.5][leg] * 1e3:.0f} ms, "
+                         f"p95 {legs[0.95][leg] * 1e3:.0f} ms, mean {mean * 1e3:.0f} ms")
+    cancelled = total(data, ROUTER_LEGS_CANCELLED.series_names[0])
+    lines.append(f"legs cancelled: {cancelled:.0f}")
+    return lines, failed

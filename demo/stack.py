@@ -10,6 +10,7 @@ also when start-up failed half way.
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ JOB = "vllm"
 # `/metrics/` reaches prometheus_client's own ASGI app, mounted behind it, which
 # negotiates OpenMetrics and so carries exemplars.
 OPENMETRICS_PATH = "/metrics/"
+# The router's own metrics (connector.router), scraped as a job of their own.
+ROUTER_JOB = "router"
 MODEL_CACHE = REPO / ".cache" / "demo-model"
 HOSTS = ("prefill", "decode", "obs")
 
@@ -161,15 +164,21 @@ class Stack:
         targets = [f"{s.address}:{s.port}" for s in (self.prefill, self.decode)]
         job = promrun.scrape_job(JOB, targets)
         job["metrics_path"] = OPENMETRICS_PATH
+        # The router's own /metrics, a job of its own (as the router's PodMonitor in deploy/).
+        router_job = promrun.scrape_job(ROUTER_JOB, [f"{self.router.address}:{self.router.port}"],
+                                        restore_vllm_colon=False)
+        # A fresh TSDB: a previous run's series (other ports) would still count as current
+        # for Prometheus' 5 minutes of lookback, and every `up` wait below would see them.
+        shutil.rmtree(self.workdir / "prometheus" / "data", ignore_errors=True)
         self.prometheus = promrun.PrometheusServer(
-            [job], rule_files=[promrun.RULES_PATH], workdir=self.workdir / "prometheus",
+            [job, router_job], rule_files=[promrun.RULES_PATH], workdir=self.workdir / "prometheus",
             features=["exemplar-storage"], address=obs.address if obs is not None else LOOPBACK,
             wrap=obs.command if obs is not None else None).start()
         self.prometheus_pid = self.prometheus.process.pid  # type: ignore[union-attr]
-        self.prometheus.wait_for(f'sum(up{{job="{JOB}"}})', lambda v: v == 2, timeout_s=60,
-                                 what="Prometheus scraping both engines")
+        self.prometheus.wait_for(f'sum(up{{job=~"{JOB}|{ROUTER_JOB}"}})', lambda v: v == 3, timeout_s=60,
+                                 what="Prometheus scraping both engines and the router")
         self.progress(f"Prometheus {self.prometheus.url} pid {self.prometheus_pid} "
-                      f"scraping both engines, rules loaded, exemplar storage on")
+                      f"scraping both engines and the router, rules loaded, exemplar storage on")
 
     def restart_prefill(self, crash: bool = True) -> VllmServer:
         """P dies (every process on its host, or its process group) and comes back with the

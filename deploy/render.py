@@ -465,6 +465,7 @@ def monitoring_problems(objs: list[Obj]) -> list[str]:
     """Rendered monitoring objects equal dashboards/'s, and the PodMonitor scrapes every engine right."""
     from demo.stack import JOB, OPENMETRICS_PATH
 
+    engine_monitors, router_monitors = _podmonitors(objs)
     problems: list[str] = []
     for want in generated_monitoring_objects():
         kind, name = want["kind"], want["metadata"]["name"]
@@ -480,10 +481,10 @@ def monitoring_problems(objs: list[Obj]) -> list[str]:
             have["metadata"]["labels"] = wanted_labels
         if have != want:
             problems.append(f"{kind}/{name} differs from what dashboards/ generates")
-    monitors = find(objs, "PodMonitor")
-    if len(monitors) != 1:
-        return [*problems, f"expected one PodMonitor, found {len(monitors)}"]
-    spec = monitors[0]["spec"]
+    problems += router_monitor_problems(objs, router_monitors)
+    if len(engine_monitors) != 1:
+        return [*problems, f"expected one PodMonitor for the engines, found {len(engine_monitors)}"]
+    spec = engine_monitors[0]["spec"]
     relabel = _stack_relabel()
     for role in KV_ROLES:
         for w in engines(objs, role):
@@ -509,6 +510,48 @@ def monitoring_problems(objs: list[Obj]) -> list[str]:
                             f"dashboards/stack/prometheus.yml {relabel}")
     if (spec.get("scrapeProtocols") or [""])[0] != "OpenMetricsText1.0.0":
         problems.append("PodMonitor scrapeProtocols must ask for OpenMetricsText1.0.0 first (exemplars)")
+    return problems
+
+
+def _podmonitors(objs: list[Obj]) -> tuple[list[Obj], list[Obj]]:
+    """(the other PodMonitors, which must be the engines' one; those selecting the router's pods)."""
+    found = router(objs)
+    labels = pod_labels(found[0]) if found else None
+    monitors = find(objs, "PodMonitor")
+    mine = [m for m in monitors if labels is not None and selects(m["spec"].get("selector", {}), labels)]
+    return [m for m in monitors if m not in mine], mine
+
+
+def router_monitor_problems(objs: list[Obj], monitors: list[Obj]) -> list[str]:
+    """One PodMonitor scrapes the router's own /metrics, OpenMetrics first, as job "router"."""
+    from connector.router.__main__ import parse_args
+    from connector.vocabulary import ROUTER_METRICS_PATH
+    from demo.stack import ROUTER_JOB
+
+    found = router(objs)
+    if found is None:
+        return []  # reported by router_problems
+    if len(monitors) != 1:
+        return [f"expected one PodMonitor for the router's /metrics, found {len(monitors)}"]
+    workload, c = found
+    spec, name = monitors[0]["spec"], monitors[0]["metadata"]["name"]
+    problems: list[str] = []
+    if pod_labels(workload).get(spec.get("jobLabel", "")) != ROUTER_JOB:
+        problems.append(f"PodMonitor/{name}: jobLabel {spec.get('jobLabel')!r} does not give "
+                        f"job={ROUTER_JOB!r} on the router pods (the demo's router job)")
+    port = parse_args([str(a) for a in c.get("args", [])]).port
+    endpoints = spec.get("podMetricsEndpoints", [])
+    if not endpoints:
+        problems.append(f"PodMonitor/{name}: no podMetricsEndpoints")
+    for ep in endpoints:
+        if container_port(c, ep.get("port", "")) != port:
+            problems.append(f"PodMonitor/{name}: port {ep.get('port')!r} is not the router's --port {port}")
+        if ep.get("path") != ROUTER_METRICS_PATH:
+            problems.append(f"PodMonitor/{name}: path {ep.get('path')!r} is not the router's "
+                            f"{ROUTER_METRICS_PATH}")
+    if (spec.get("scrapeProtocols") or [""])[0] != "OpenMetricsText1.0.0":
+        problems.append(f"PodMonitor/{name}: scrapeProtocols must ask for OpenMetricsText1.0.0 first "
+                        "(exemplars)")
     return problems
 
 
@@ -603,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     names = ", ".join(o.name for o in overlays())
     print(f"deploy check OK: monitoring copies up to date; overlays {names} render, pass the schemas of "
           f"Kubernetes {' and '.join(KUBERNETES_VERSIONS)} and prometheus-operator's CRD models, run the "
-          "demo's engine arguments, and route to exactly their P pods")
+          "demo's engine arguments, route to exactly their P pods, and scrape every engine and the router")
     return 0
 
 

@@ -21,7 +21,19 @@ import pytest
 import yaml
 
 from connector import vocabulary as V
-from dashboards import check, generate, k8s, panels, promql, promrun, queries, rules, telemetry_doc
+from dashboards import (
+    check,
+    generate,
+    k8s,
+    panels,
+    perses,
+    perses_schema,
+    promql,
+    promrun,
+    queries,
+    rules,
+    telemetry_doc,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DASH = REPO / "dashboards"
@@ -225,12 +237,14 @@ def test_dashboard_shape() -> None:
         assert promql.variables(var["query"]) <= defined, var["name"]
         defined.add(var["name"])
     rows = [p for p in dashboard["panels"] if p["type"] == "row"]
-    stock = next(r for r in rows if r["title"] == "NIXL transfers (vLLM stock)")
-    assert stock["collapsed"] is True and stock["panels"]
-    stock_names = {s.name for s in V.STOCK_METRICS}
-    for panel in stock["panels"]:
-        for t in panel["targets"]:
-            assert {queries.series_index()[n].name for n in promql.metric_names(t["expr"])} <= stock_names
+    for title, specs in ((panels.STOCK_ROW, V.STOCK_METRICS), (panels.ROUTER_ROW, V.ROUTER_METRICS)):
+        row = next(r for r in rows if r["title"] == title)
+        assert row["collapsed"] is True and row["panels"]
+        names = {s.name for s in specs}
+        for panel in row["panels"]:
+            for t in panel["targets"]:
+                assert {queries.series_index()[n].name for n in promql.metric_names(t["expr"])} <= names
+    assert [r["title"] for r in rows if r["collapsed"]] == [panels.ROUTER_ROW, panels.STOCK_ROW]
 
 
 def test_dashboard_layout_has_no_overlaps() -> None:
@@ -281,6 +295,20 @@ def test_required_panels_exist() -> None:
         "vllm:nixl_kv_leases_reaped_late_total")
     has("Heartbeat ids/s by what they matched (P)", "vllm:nixl_kv_lease_renewals_total", "by (outcome)")
     has("Heartbeats sent/s (D)", "vllm:nixl_heartbeats_total", "by (outcome)")
+    has("Router requests by outcome (range)", "nixl_router_requests_total", "by (outcome)", "offset $__range")
+    has("Router requests answered ok (range)", 'outcome="ok"', "offset $__range", "> 0)")
+    has("Mean client TTFT and leg latency (range)", "nixl_router_time_to_first_token_seconds_sum",
+        "nixl_router_leg_duration_seconds_count", "by (stream)", "by (leg)")
+    has("Router requests/s by route and outcome", "rate(nixl_router_requests_total", "by (route, outcome)")
+    has("Client TTFT p50 / p95 / p99", "nixl_router_time_to_first_token_seconds_bucket", "by (le, stream)")
+    has("Leg latency p50 / p95 by leg", "nixl_router_leg_duration_seconds_bucket", 'outcome="ok"')
+    has("Router requests in flight", "nixl_router_requests_in_flight")
+    has("Legs cancelled/s by leg and reason", "nixl_router_legs_cancelled_total", "by (leg, reason)")
+    # The router's series have no model_name or engine: its panels are scoped by job and instance.
+    for title in panels.row_titles(panels.ROUTER_ROW):
+        for expr in exprs[title]:
+            assert 'job=~"$job"' in expr and 'instance=~"$instance"' in expr, title
+            assert "$model_name" not in expr and "$engine" not in expr, title
 
 
 def test_latency_panels_show_exemplars_linked_to_jaeger() -> None:
@@ -291,7 +319,8 @@ def test_latency_panels_show_exemplars_linked_to_jaeger() -> None:
                       if any(t.get("exemplar") for t in p["targets"])}
     assert with_exemplars == {"Handshake latency p50 / p95 / p99 by flavor",
                               "Executor queue wait p50 / p95 / p99", "Per-phase latency p95",
-                              "KV receive latency p50 / p95 / p99 by outcome"}
+                              "KV receive latency p50 / p95 / p99 by outcome",
+                              "Client TTFT p50 / p95 / p99", "Leg latency p50 / p95 by leg"}
     for panel in panels.iter_panels(dashboard):
         if panel["title"] in with_exemplars:
             [link] = panel["fieldConfig"]["defaults"]["links"]
@@ -303,6 +332,63 @@ def test_latency_panels_show_exemplars_linked_to_jaeger() -> None:
             pane = json.loads(filled)["trace"]
             assert pane["datasource"] == "jaeger-uid"
             assert pane["queries"][0]["query"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+# ------------------------------------------------------------ vLLM's dashboard conventions
+def test_generated_dashboard_follows_vllms_conventions() -> None:
+    dashboard = panels.build_dashboard()
+    assert check.check_conventions(dashboard) == []
+    for panel in panels.iter_panels(dashboard):
+        # e.g. "...\n\nMetrics: `vllm:nixl_peer_resets_total`, `vllm:nixl_peer_restarts_total`"
+        last = panel["description"].rsplit("\n\n", 1)[1]
+        assert re.fullmatch(r"Metrics?: `[^`]+`(, `[^`]+`)*", last), panel["title"]
+        listed = set(re.findall(r"`([^`]+)`", last))
+        read = {queries.series_index()[n] for t in panel["targets"] for n in promql.metric_names(t["expr"])}
+        assert listed == {panels.metric_label(spec) for spec in read}, panel["title"]
+
+
+def _mutated(change: Any) -> list[str]:
+    dashboard = panels.build_dashboard()
+    change(dashboard)
+    return check.check_conventions(dashboard)
+
+
+def _first(dashboard: dict[str, Any], title: str) -> dict[str, Any]:
+    return next(p for p in panels.iter_panels(dashboard) if p["title"] == title)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda d: d["templating"]["list"][1].update(type="custom"), "variable $job must be a query variable"),
+    (lambda d: d["templating"]["list"][0].update(query="loki"), "must be a Prometheus data source variable"),
+    (lambda d: next(r for r in d["panels"] if r["type"] == "row").update(collapsed=True),
+     "a collapsed row is an optional section"),
+    (lambda d: next(r for r in d["panels"] if r.get("title") == panels.ROUTER_ROW).update(title="Router"),
+     "a collapsed row is an optional section"),
+    (lambda d: _first(d, "Full D->P handshakes").update(description="Full handshakes."),
+     "description must end with 'Metric: `vllm:nixl_handshake_duration_seconds`'"),
+    (lambda d: _first(d, "Descriptors per NIXL transfer (mean)")["targets"][0].update(
+        expr=_first(d, "Descriptors per NIXL transfer (mean)")["targets"][0]["expr"].replace(" > 0)", ")")),
+     "ratio without a zero-denominator guard"),
+    (lambda d: _first(d, "KV pushes/s: started / completed / failed")["targets"][0].update(
+        expr=_first(d, "KV pushes/s: started / completed / failed")["targets"][0]["expr"].replace(
+            ',engine=~"$engine"', "")),
+     'vllm:nixl_pushes_total is not scoped by engine=~"$engine"'),
+    (lambda d: _first(d, "Router requests in flight")["targets"][0].update(
+        expr=_first(d, "Router requests in flight")["targets"][0]["expr"].replace(
+            ',instance=~"$instance"', "")),
+     'nixl_router_requests_in_flight is not scoped by instance=~"$instance"'),
+])
+def test_departures_from_vllms_conventions_fail_the_check(change: Any, message: str) -> None:
+    errors = _mutated(change)
+    assert any(message in e for e in errors), errors
+
+
+def test_unguarded_divisions() -> None:
+    assert check.unguarded_divisions("a / b") == ["b"]
+    assert check.unguarded_divisions("a / (b)") == ["(b)"]
+    assert check.unguarded_divisions("a / (sum(b) > 0)") == []
+    assert check.unguarded_divisions("a / 1e6") == []
+    assert check.unguarded_divisions('x{le="1/2"} / (y > 0)') == []
 
 
 def test_latency_panel_without_exemplars_fails_the_check() -> None:
@@ -342,7 +428,7 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
                       "NixlReceivesFailing", "NixlReceiveLatencyP99High",
                       "NixlHandshakeStuck", "NixlPushRegRejected",
                       "NixlKvLeaseExpiredWhileWanted", "NixlHeartbeatsMatchNothing", "NixlPeerRestarted",
-                      "NixlRemotePrefillWaitingLong"}
+                      "NixlRemotePrefillWaitingLong", "NixlRouterLegErrorRatioHigh"}
     assert firing == alerts and quiet == alerts
 
 
@@ -467,7 +553,8 @@ def test_the_counted_panels_are_headlines() -> None:
     # The panels that exist to show a count (the "1,024 descriptors saved" of a run).
     assert {"Descriptors saved", "Descriptor registrations saved", "Descriptors registered vs saved (range)",
             "Full D->P handshakes", "D->P handshakes that were notification-only",
-            "KV leases expired while the decoder waited"} <= panels.headline_titles()
+            "KV leases expired while the decoder waited", "Router requests by outcome (range)",
+            "Router requests answered ok (range)"} <= panels.headline_titles()
     for panel in panels.iter_panels(panels.build_dashboard()):
         if panel["title"] in panels.headline_titles():
             for t in panel["targets"]:
@@ -584,3 +671,131 @@ def test_doc_reason_without_text_or_stale_doc_fails_the_check(tmp_path: Path,
     monkeypatch.delitem(telemetry_doc.TELEMETRY_ERROR_TEXT, V.TelemetryError.SPANS_DROPPED)
     errors = generate.check_all(tmp_path, doc)
     assert any("'spans_dropped' has no text" in e for e in errors), errors
+
+
+# ------------------------------------------------------------------------------- Perses
+PERSES_FILES = (perses.DASHBOARD_FILE, perses.OPERATOR_FILE)
+
+
+def _perses_on_disk(rel: str) -> dict[str, Any]:
+    return yaml.safe_load((DASH / rel).read_text())
+
+
+@pytest.mark.parametrize("rel", PERSES_FILES)
+def test_perses_files_pass_perses_schema(rel: str) -> None:
+    resource = _perses_on_disk(rel)
+    assert perses_schema.problems(resource) == []
+    assert check.check_perses(panels.build_dashboard(), [resource]) == []
+
+
+def test_perses_has_every_grafana_row_panel_and_query() -> None:
+    grafana = panels.build_dashboard()
+    spec = _perses_on_disk(perses.DASHBOARD_FILE)["spec"]
+    titles = [layout["spec"]["display"]["title"] for layout in spec["layouts"]]
+    assert titles == [title for title, _, _ in panels.ROWS]
+    collapsed = {layout["spec"]["display"]["title"] for layout in spec["layouts"]
+                 if not layout["spec"]["display"]["collapse"]["open"]}
+    assert collapsed == {title for title, folded, _ in panels.ROWS if folded}
+    by_title = {p["spec"]["display"]["name"]: p["spec"] for p in spec["panels"].values()}
+    for panel in panels.iter_panels(grafana):
+        mine = by_title[panel["title"]]
+        assert mine["display"]["description"] == panel["description"]
+        assert mine["plugin"]["kind"] == perses.PANEL_KINDS[panel["type"]]
+        queries = [q["spec"]["plugin"]["spec"] for q in mine["queries"]]
+        assert [q["query"] for q in queries] == [t["expr"] for t in panel["targets"]]
+        assert all(q["datasource"] == "$datasource" for q in queries)
+    names = [v["spec"]["name"] for v in spec["variables"]]
+    assert names == ["datasource", "job", "model_name", "instance", "engine"]  # $jaeger is Grafana's only
+
+
+def test_a_row_added_for_grafana_appears_in_perses(monkeypatch: pytest.MonkeyPatch) -> None:
+    extra = ("Extra (requires a test)", True, lambda: [panels.Cell(panels.timeseries(
+        "Extra pushes/s", "Pushes per second.",
+        [panels.target(f"sum(rate({queries.sel(V.PUSHES.series_names[0])}[$__rate_interval]))", "pushes")],
+        "suffix: pushes/s"), 12, 8)])
+    monkeypatch.setattr(panels, "ROWS", (*panels.ROWS, extra))
+    grafana = panels.build_dashboard()
+    resource = perses.build_dashboard(grafana)
+    assert check.check_perses(grafana, [resource]) == []
+    layout = resource["spec"]["layouts"][-1]
+    assert layout["spec"]["display"] == {"title": "Extra (requires a test)", "collapse": {"open": False}}
+    [item] = layout["spec"]["items"]
+    panel = resource["spec"]["panels"][item["content"]["$ref"].rsplit("/", 1)[1]]["spec"]
+    assert panel["display"]["name"] == "Extra pushes/s"
+    assert panel["plugin"]["spec"]["yAxis"]["label"] == "pushes/s"
+
+
+def _perses_spec(resource: dict[str, Any]) -> dict[str, Any]:
+    return resource["spec"]
+
+
+def _first_panel(resource: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(p["spec"] for p in resource["spec"]["panels"].values() if p["spec"]["plugin"]["kind"] == kind)
+
+
+def _first_query(resource: dict[str, Any]) -> dict[str, Any]:
+    return _first_panel(resource, "TimeSeriesChart")["queries"][0]["spec"]["plugin"]["spec"]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda r: _first_panel(r, "TimeSeriesChart")["plugin"]["spec"].update(exemplars=True),
+     "Additional properties are not allowed ('exemplars'"),
+    (lambda r: _first_panel(r, "StatChart")["plugin"].update(kind="GraphPanel"),
+     "'GraphPanel' is not one of"),
+    (lambda r: _first_panel(r, "StatChart")["plugin"]["spec"]["format"].update(unit="percentunit"),
+     "is not valid under any of the given schemas"),
+    (lambda r: _first_panel(r, "BarChart")["plugin"]["spec"].pop("calculation"),
+     "'calculation' is a required"),
+    (lambda r: _first_query(r).update(instant="yes"), "'yes' is not of type 'boolean'"),
+    (lambda r: r["spec"]["layouts"][0]["spec"]["items"][0]["content"].update({"$ref": "#/spec/panels/nope"}),
+     "names no panel"),
+    (lambda r: r["spec"]["layouts"][0]["spec"]["items"].pop(), "is in no layout"),
+    (lambda r: r["spec"]["layouts"][0]["spec"]["items"][1].update(x=0, y=0), "overlaps another panel"),
+    (lambda r: r["spec"]["variables"][1]["spec"].update(name="9"), "variable name '9' is not valid"),
+    (lambda r: r["spec"]["variables"][1]["spec"].update(allowAllValue=False),
+     "customAllValue needs allowAllValue"),
+    (lambda r: _first_query(r).update(query="rate(x[$window])"), "undefined variable $window"),
+    (lambda r: r["metadata"].update(project="no spaces allowed"), "does not match"),
+])
+def test_perses_schema_catches_what_perses_would_refuse(change: Any, message: str) -> None:
+    resource = perses.build_dashboard()
+    change(resource)
+    errors = perses_schema.problems(resource)
+    assert any(message in e for e in errors), errors
+
+
+def test_perses_check_fails_when_it_loses_a_panel_or_a_query_or_a_panel_type() -> None:
+    grafana = panels.build_dashboard()
+    lost_query = perses.build_dashboard(grafana)
+    _first_panel(lost_query, "TimeSeriesChart")["queries"].pop()
+    errors = check.check_perses(grafana, [lost_query])
+    assert any("queries differ from the Grafana panel's" in e for e in errors), errors
+    renamed = perses.build_dashboard(grafana)
+    _first_panel(renamed, "StatChart")["display"]["name"] = "Renamed"
+    assert any("rows and panels differ" in e for e in check.check_perses(grafana, [renamed]))
+    next(panels.iter_panels(grafana))["type"] = "heatmap"
+    assert any("type 'heatmap' has no Perses counterpart" in e
+               for e in check.check_perses(grafana, [perses.build_dashboard(grafana)]))
+
+
+def test_check_fails_when_the_perses_files_drift(tmp_path: Path) -> None:
+    generate.write_files(tmp_path, tmp_path / DOC.name)
+    path = tmp_path / perses.DASHBOARD_FILE
+    path.write_text(path.read_text().replace("duration: 1h", "duration: 6h"))
+    (tmp_path / perses.OPERATOR_FILE).unlink()
+    proc = in_tmp(tmp_path, "--check")
+    assert proc.returncode == 1
+    assert f"{perses.DASHBOARD_FILE}: stale" in proc.stderr
+    assert f"{perses.OPERATOR_FILE}: missing" in proc.stderr
+
+
+@pytest.mark.parametrize("rel", PERSES_FILES[:1])
+def test_percli_lint_accepts_the_perses_dashboard(rel: str) -> None:
+    """Perses' own offline lint, where a `percli` is installed (see dashboards/README.md: the
+    Go module proxy that would build it is not reachable from this project's machines)."""
+    exe = shutil.which("percli")
+    if exe is None:
+        pytest.skip("percli is not installed: it is built from github.com/perses/perses with Go, and the "
+                    "Go module proxy is not among the registries these machines reach")
+    proc = subprocess.run([exe, "lint", "-f", str(DASH / rel)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from connector import vocabulary as V
 from connector.glue import guard
 from demo import engines as demo
 from deploy import render
@@ -253,6 +254,43 @@ def test_podmonitor_scrapes_openmetrics_with_exemplars_from_every_engine():
     assert any("path '/metrics'" in p for p in problems)
     assert any("does not select the prefill pods" in p for p in problems)
     assert any("metricRelabelings" in p for p in problems)
+
+
+def test_a_podmonitor_scrapes_the_routers_own_metrics():
+    objs = rendered("1p1d")
+    spec = by(objs, "PodMonitor", "nixl-push-router")["spec"]
+    [endpoint] = spec["podMetricsEndpoints"]
+    router_pod = by(objs, "Deployment", "router")["spec"]["template"]["metadata"]["labels"]
+    assert render.selects(spec["selector"], router_pod)
+    assert endpoint["path"] == V.ROUTER_METRICS_PATH and router_pod[spec["jobLabel"]] == "router"
+    # Neither PodMonitor scrapes the other's pods.
+    engines = by(objs, "PodMonitor", "nixl-push-engines")["spec"]["selector"]
+    assert not render.selects(engines, router_pod)
+    assert not any(render.selects(spec["selector"], render.pod_labels(w))
+                   for role in render.KV_ROLES for w in render.engines(objs, role))
+
+
+@pytest.mark.parametrize(("change", "expect"), [
+    (lambda m, r: m["spec"]["podMetricsEndpoints"][0].update(path="/metrics/"),
+     "is not the router's /metrics"),
+    (lambda m, r: m["spec"]["podMetricsEndpoints"][0].update(port="grpc"), "is not the router's --port 8000"),
+    (lambda m, r: m["spec"].update(jobLabel="app.kubernetes.io/part-of"), "does not give job='router'"),
+    (lambda m, r: m["spec"].update(scrapeProtocols=["PrometheusText0.0.4"]), "OpenMetricsText1.0.0 first"),
+    (lambda m, r: m["spec"]["selector"]["matchLabels"].update({"app.kubernetes.io/component": "gateway"}),
+     "expected one PodMonitor for the router's /metrics, found 0"),
+    (lambda m, r: r["spec"]["template"]["metadata"]["labels"].pop("app.kubernetes.io/name"),
+     "does not give job='router'"),
+])
+def test_a_router_podmonitor_that_misses_the_routers_metrics_is_reported(change, expect):
+    objs = rendered("1p1d")
+    change(by(objs, "PodMonitor", "nixl-push-router"), by(objs, "Deployment", "router"))
+    problems = render.monitoring_problems(objs)
+    assert any(expect in p for p in problems), problems
+
+
+def test_without_the_router_podmonitor_the_check_fails():
+    objs = [o for o in rendered("2p2d") if o["metadata"]["name"] != "nixl-push-router"]
+    assert "expected one PodMonitor for the router's /metrics, found 0" in render.monitoring_problems(objs)
 
 
 # ---------------------------------------------------------------------------------------- tracing

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from connector import vocabulary as V
+from connector.router import legs
 from connector.vocabulary import Label
 from dashboards import panels, promql, promrun, queries, rules
 from dashboards.promrun import PanelQuery, PrometheusServer
@@ -160,6 +161,27 @@ HEADLINE_TRUTH: dict[tuple[str, str], tuple[tuple[str, ...], Truth]] = {
 }
 
 
+# The router's row is checked against a real router (test_router_* below), not the harness.
+ROUTER_PANELS = panels.row_titles(panels.ROUTER_ROW)
+
+
+def without_row(dashboard: dict[str, Any], title: str) -> dict[str, Any]:
+    dashboard["panels"] = [p for p in dashboard["panels"] if p.get("title") != title]
+    return dashboard
+
+
+def only_row(dashboard: dict[str, Any], title: str) -> dict[str, Any]:
+    row = next(p for p in dashboard["panels"] if p.get("title") == title)
+    dashboard["panels"] = row["panels"]
+    return dashboard
+
+
+def variable_lists(prom: PrometheusServer, values: dict[str, str]) -> dict[str, list[str]]:
+    """What each query variable lists, its query's selector filled in as Grafana does."""
+    return {name: prom.label_values(read, promrun.fill_variables(source, values))
+            for name, (_, source, read) in panels.QUERY_VARIABLES.items()}
+
+
 def _count(stats: list[dict[str, Any]], key: str) -> int:
     return sum(sum(data.get(key, [])) for data in stats)
 
@@ -168,7 +190,7 @@ def _count(stats: list[dict[str, Any]], key: str) -> int:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     from harness import PushHarness
 
-    dashboard = panels.build_dashboard()
+    dashboard = without_row(panels.build_dashboard(), panels.ROUTER_ROW)
     with PushHarness.pd(connector="fork") as h:
         fronts = {name: h.frontend(name) for name in ("P", "D")}
         try:
@@ -221,7 +243,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                 prom.wait_scraped_after(JOB, instances.values(), at)
                 counters_now = scrape_metrics(instances)
                 ranges = {"run": f"{math.floor(at - run_start)}s", "before the first scrape": "1h"}
-                headline_titles = panels.headline_titles()
+                headline_titles = panels.headline_titles() - ROUTER_PANELS
                 headlines = {
                     name: [q for q in promrun.evaluate_dashboard(prom, dashboard,
                                                                  {**VARIABLES, "__range": window}, at=at)
@@ -232,13 +254,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     f'sum(increase({V.DESCRIPTORS_SAVED.series_names[0]}{{job="{JOB}"}}[{ranges["run"]}]))',
                     at)
 
-                source = panels.VARIABLE_SOURCE
-                variable_values = {
-                    "job": prom.label_values("job", source),
-                    "model_name": prom.label_values("model_name", f'{source}{{job="{JOB}"}}'),
-                    "instance": prom.label_values("instance", f'{source}{{job="{JOB}"}}'),
-                    "engine": prom.label_values("engine", f'{source}{{job="{JOB}"}}'),
-                }
+                variable_values = variable_lists(prom, {"job": JOB, "model_name": ".*", "instance": ".*"})
                 share_rule = "instance:vllm_nixl_handshakes_d_to_p_notif_only:ratio1h"
                 recorded_share = prom.wait_for(
                     f'{share_rule}{{instance="{instances["D"]}"}}', lambda v: v is not None,
@@ -485,3 +501,170 @@ def test_prometheus_2_scrape_needs_the_colon_fix(run: Run) -> None:
     assert ours, run.raw_names
     assert not [n for n in ours if n.startswith("vllm:")], ours
     assert V.PUSHES.series_names[0].replace("vllm:", "vllm_") in ours
+
+
+# --------------------------------------------------------------- the Router row, real router
+ROUTER_JOB = "router"
+ROUTER_VARIABLES = {**VARIABLES, "job": ROUTER_JOB}
+
+
+Groups = dict[tuple[str, ...], float]
+
+
+def _ratio(num: Groups, den: Groups) -> Groups:
+    return {k: num.get(k, 0.0) / n for k, n in den.items() if n > 0}
+
+
+def _router_ok_share(s: Samples) -> dict[tuple[str, ...], float]:
+    name = V.ROUTER_REQUESTS.series_names[0]
+    every = total_of(s, name).get((), 0.0)
+    return {(): total_of(s, name, outcome=V.RouterOutcome.OK.value).get((), 0.0) / every} if every else {}
+
+
+def _mean(spec: V.MetricSpec, by: str, **where: str) -> Truth:
+    return lambda s: _ratio(total_of(s, spec.name + "_sum", (by,), **where),
+                            total_of(s, spec.name + "_count", (by,), **where))
+
+
+ROUTER_TRUTH: dict[tuple[str, str], tuple[tuple[str, ...], Truth]] = {
+    ("Router requests by outcome (range)", "A"): (
+        (Label.OUTCOME,), lambda s: total_of(s, V.ROUTER_REQUESTS.series_names[0], (Label.OUTCOME,))),
+    ("Router requests answered ok (range)", "A"): ((), _router_ok_share),
+    ("Mean client TTFT and leg latency (range)", "A"): (
+        (V.RouterLabel.STREAM,), _mean(V.ROUTER_TTFT, V.RouterLabel.STREAM)),
+    ("Mean client TTFT and leg latency (range)", "B"): (
+        (V.RouterLabel.LEG,), _mean(V.ROUTER_LEG_DURATION, V.RouterLabel.LEG, outcome=V.LegOutcome.OK.value)),
+}
+
+
+@dataclass
+class RouterRun:
+    instance: str
+    idle: list[PanelQuery]
+    busy: list[PanelQuery]
+    headlines: dict[str, list[PanelQuery]]
+    counters: dict[str, Samples]
+    variable_values: dict[str, list[str]]
+    rules: list[dict[str, Any]]
+    outcomes: dict[str, float]
+
+    def panel(self, title: str, ref: str = "A", when: str = "busy") -> PanelQuery:
+        return next(q for q in (self.busy if when == "busy" else self.idle)
+                    if q.panel == title and q.ref_id == ref)
+
+
+@pytest.fixture(scope="module")
+def router_run(tmp_path_factory: pytest.TempPathFactory) -> RouterRun:
+    """The real router in front of two P/D pairs (pair 0 answers, pair 1's P fails) on loopback,
+    scraped by a real Prometheus with our rules; a known mix of requests in between."""
+    import httpx
+
+    from connector.router.app import build_app
+    from connector.router.config import PrefillTarget, RouterConfig
+    from connector.router.metrics import RouterMetrics
+    from tests.support.fake_engines import Engine, Journal, Served
+
+    dashboard = only_row(panels.build_dashboard(), panels.ROUTER_ROW)
+    journal = Journal()
+    servers = [Served(Engine("P0", journal, "ok", waits_for="D")), Served(Engine("P1", journal, "fail")),
+               Served(Engine("D0", journal, "ok", waits_for="P")), Served(Engine("D1", journal, "hang"))]
+    config = RouterConfig(tuple(PrefillTarget(srv.url, f"prefill-{i}", "127.0.0.1", 5600 + i)
+                                for i, srv in enumerate(servers[:2])), tuple(srv.url for srv in servers[2:]))
+    router = Served(build_app(config, metrics=RouterMetrics()))
+    servers.append(router)
+    instance = f"127.0.0.1:{router.port}"
+    try:
+        with PrometheusServer([promrun.scrape_job(ROUTER_JOB, [instance])], rule_files=[promrun.RULES_PATH],
+                              workdir=tmp_path_factory.mktemp("prometheus-router")) as prom, \
+                httpx.Client(base_url=router.url, timeout=60) as client:
+            prom.wait_for(f'min(count_over_time(up{{job="{ROUTER_JOB}"}}[1m]))', lambda v: (v or 0) >= 3,
+                          what="three scrapes of the router (rates need two samples)")
+            idle = promrun.evaluate_dashboard(prom, dashboard, ROUTER_VARIABLES)
+            run_start, at_idle = time.time(), scrape_metrics({"router": instance})
+            prom.wait_scraped_after(ROUTER_JOB, [instance], run_start)
+            body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3}
+            # Round robin over the pairs: 0 ok, 1 prefill_failed, 0 ok (streamed),
+            # 1 prefill_failed (streamed), 0 ok (chat); a bad body takes no pair.
+            statuses = [client.post(legs.COMPLETIONS, json=body).status_code,
+                        client.post(legs.COMPLETIONS, json=body).status_code,
+                        client.post(legs.COMPLETIONS, json={**body, "stream": True}).status_code,
+                        client.post(legs.COMPLETIONS, json={**body, "stream": True}).status_code,
+                        client.post(legs.CHAT, json={"model": "tiny", "messages": []}).status_code,
+                        client.post(legs.COMPLETIONS, content=b"{").status_code]
+            assert statuses == [200, 502, 200, 502, 200, 400], statuses
+            reqs = V.ROUTER_REQUESTS.series_names[0]
+            prom.wait_for(f'sum({reqs}{{job="{ROUTER_JOB}"}})', lambda v: v == len(statuses),
+                          what="every request counted and scraped")
+            last = prom.wait_scraped_after(ROUTER_JOB, [instance], time.time())[instance]
+            busy = promrun.evaluate_dashboard(prom, dashboard, ROUTER_VARIABLES, at=last)
+            at = last + 0.5
+            prom.wait_scraped_after(ROUTER_JOB, [instance], at)
+            counters_now = scrape_metrics({"router": instance})
+            ranges = {"run": f"{math.floor(at - run_start)}s", "before the first scrape": "1h"}
+            headlines = {name: [q for q in promrun.evaluate_dashboard(
+                prom, dashboard, {**ROUTER_VARIABLES, "__range": window}, at=at) if q.panel in
+                panels.headline_titles()] for name, window in ranges.items()}
+            variable_values = variable_lists(prom, {"job": ROUTER_JOB, "model_name": ".*", "instance": ".*"})
+            loaded = [r for g in prom.api("/api/v1/rules")["data"]["groups"] for r in g["rules"]]
+    finally:
+        for srv in reversed(servers):
+            srv.stop()
+    outcomes = {k[0]: v for k, v in total_of(counters_now, V.ROUTER_REQUESTS.series_names[0],
+                                             (Label.OUTCOME,)).items()}
+    return RouterRun(instance, idle, busy, headlines,
+                     {"run": minus(counters_now, at_idle), "before the first scrape": counters_now},
+                     variable_values, loaded, outcomes)
+
+
+def test_router_panels_parse_have_no_nan_and_show_data(router_run: RouterRun) -> None:
+    assert {q.panel for q in router_run.busy} == ROUTER_PANELS
+    for q in router_run.idle + router_run.busy:
+        assert q.ok, f"{q.panel} {q.ref_id}: {q.answer.get('error')}\n{q.expr}"
+        assert not q.nan_series(), (q.panel, q.ref_id, q.nan_series())
+        if router_run.panel(q.panel, q.ref_id) is q:
+            assert q.series, f"{q.panel} {q.ref_id} returned no data: {q.expr}"
+    # While idle: no ok share (no denominator, not NaN), every outcome at 0.
+    assert router_run.panel("Router requests answered ok (range)", when="idle").series == []
+    idle_outcomes = router_run.panel("Router requests by outcome (range)", when="idle").values()
+    every_outcome = set(V.allowed_values(V.ROUTER_REQUESTS.name, Label.OUTCOME))
+    assert {m["outcome"] for m, _ in idle_outcomes} == every_outcome
+    assert all(v == 0 for _, v in idle_outcomes)
+
+
+def test_router_headline_panels_equal_the_routers_counters(router_run: RouterRun) -> None:
+    assert router_run.outcomes == {"ok": 3, "prefill_failed": 2, "decode_failed": 0,
+                                   "client_disconnected": 0, "bad_request": 1}
+    titles = panels.headline_titles() & ROUTER_PANELS
+    assert {(q.panel, q.ref_id) for q in router_run.headlines["run"]} == set(ROUTER_TRUTH)
+    assert {t for t, _ in ROUTER_TRUTH} == titles
+    for name, answers in router_run.headlines.items():
+        for q in answers:
+            assert q.ok, (name, q.panel, q.answer)
+            labels, truth = ROUTER_TRUTH[(q.panel, q.ref_id)]
+            expected, got = truth(router_run.counters[name]), _by(q, *labels)
+            assert got.keys() == expected.keys(), (name, q.panel, q.ref_id, got, expected)
+            for key, value in expected.items():
+                assert math.isclose(got[key], value, rel_tol=1e-12), (name, q.panel, q.ref_id, key, got)
+
+
+def test_router_rate_and_latency_panels(router_run: RouterRun) -> None:
+    rates = _by(router_run.panel("Router requests/s by route and outcome"), "route", "outcome")
+    assert rates[(legs.COMPLETIONS, "ok")] > 0 and rates[(legs.COMPLETIONS, "prefill_failed")] > 0
+    assert rates[(legs.CHAT, "ok")] > 0 and rates[(legs.COMPLETIONS, "decode_failed")] == 0
+    cancelled = _by(router_run.panel("Legs cancelled/s by leg and reason"), "leg", "reason")
+    assert cancelled[("decode", "other_leg_failed")] > 0 and cancelled[("prefill", "other_leg_failed")] == 0
+    assert [v for _, v in router_run.panel("Router requests in flight").values()] == [0.0, 0.0]
+    # One quantile per stream value that had requests, each inside the TTFT buckets.
+    p99 = _by(router_run.panel("Client TTFT p50 / p95 / p99", "C"), "stream")
+    assert set(p99) == {("true",), ("false",)}
+    assert all(0 < v <= max(V.ROUTER_TTFT.buckets) for v in p99.values())
+    legs_p95 = _by(router_run.panel("Leg latency p50 / p95 by leg", "B"), "leg")
+    assert set(legs_p95) == {("prefill",), ("decode",)}
+
+
+def test_router_variables_and_rules(router_run: RouterRun) -> None:
+    assert router_run.variable_values["job"] == [ROUTER_JOB]
+    assert router_run.variable_values["instance"] == [router_run.instance]
+    assert router_run.variable_values["model_name"] == [] and router_run.variable_values["engine"] == []
+    loaded = {r["name"]: r for r in router_run.rules}
+    assert loaded["NixlRouterLegErrorRatioHigh"]["health"] == "ok"

@@ -1,7 +1,9 @@
 """The push-aware router against small real HTTP engines on loopback.
 
-The engines here are tiny ASGI apps (uvicorn, real sockets) that record what arrived
-and can be told to wait for the other leg, fail, or hang until disconnected. A P
+The engines (tests/support/fake_engines.py) are tiny ASGI apps (uvicorn, real sockets)
+that record what arrived and can be told to wait for the other leg, fail, hang until
+disconnected or hold their stream after the first event. The router's own /metrics are
+read from its registry (`get_sample_value`) and over HTTP. A P
 engine that answers only after D's leg has arrived, and a D engine that answers only
 after P's leg arrived, prove both legs are in flight at once: a router that sent
 them one after the other would time out.
@@ -9,133 +11,29 @@ them one after the other would time out.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as text_string_to_openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
+from connector import vocabulary as V
+from connector.router import legs
 from connector.router.app import build_app
 from connector.router.config import ConfigError, PrefillTarget, RouterConfig
+from connector.router.metrics import RouterMetrics
 from connector.router.tracing import RouterTracing
 from connector.vocabulary import SPAN_ROUTER_REQUEST, RouterLeg, router_leg_span_name
-from harness.poll import PollTimeout, wait_until
-
-WAIT_S = 15.0
-
-
-class Served:
-    """A real uvicorn server for `app` on a loopback port, in a thread."""
-
-    def __init__(self, app: Any):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="auto"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, "uvicorn start", WAIT_S, interval_s=0.01)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
-
-
-class Journal:
-    """What all engines saw, in order, shared by P and D engines of one test."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.events: list[tuple[str, str]] = []  # (event, engine name)
-        self.requests: dict[str, list[dict[str, Any]]] = {}
-
-    def add(self, event: str, name: str, request: dict[str, Any] | None = None) -> None:
-        with self.lock:
-            self.events.append((event, name))
-            if request is not None:
-                self.requests.setdefault(name, []).append(request)
-
-    def seen(self, event: str, prefix: str) -> int:
-        with self.lock:
-            return sum(1 for e, n in self.events if e == event and n.startswith(prefix))
-
-
-class Engine:
-    """An ASGI engine. mode: ok | fail | bad | hang; `waits_for` names the other leg's prefix."""
-
-    def __init__(self, name: str, journal: Journal, mode: str = "ok", waits_for: str = ""):
-        self.name, self.journal, self.mode, self.waits_for = name, journal, mode, waits_for
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        self.journal.add("connect", self.name)
-        raw = b""
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":  # cancelled before the body was sent
-                self.journal.add("disconnect", self.name)
-                return
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
-        body = json.loads(raw)
-        self.journal.add("arrive", self.name, {"body": body, "headers": headers})
-        if self.mode == "hang":
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            self.journal.add("disconnect", self.name)
-            return
-        if self.waits_for:  # (polled off the event loop, which keeps serving meanwhile)
-            try:
-                await asyncio.to_thread(wait_until, lambda: self.journal.seen("arrive", self.waits_for),
-                                        f"the {self.waits_for} leg to arrive", WAIT_S, 0.01)
-            except PollTimeout:
-                await self._json(send, 500, {"error": f"{self.waits_for} leg never arrived"})
-                return
-        if self.mode == "fail":
-            await self._json(send, 500, {"error": "engine exploded"})
-        elif self.mode == "bad":
-            await self._json(send, 400, {"error": {"message": "prompt too long", "code": 400}})
-        elif body.get("stream"):
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")]})
-            for tok in (11, 12, 13):
-                chunk = {"choices": [{"token_ids": [tok]}], "engine": self.name}
-                await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
-                            "more_body": True})
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
-        else:
-            await self._json(send, 200, {"choices": [{"token_ids": [11, 12, 13]}], "engine": self.name})
-        self.journal.add("answer", self.name)
-
-    @staticmethod
-    async def _json(send: Any, status: int, obj: Any) -> None:
-        data = json.dumps(obj).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": data})
-
-
-def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+from dashboards import promrun
+from harness.poll import wait_until
+from tests.support.fake_engines import WAIT_S, Engine, Journal, Served, closed_port_url
 
 
 class Deployment:
@@ -154,7 +52,9 @@ class Deployment:
         decode = [self._serve(Engine(f"D{i}", self.journal, mode, waits_for="P")).url
                   for i, mode in enumerate(d_modes)]
         self.tracing = RouterTracing(exporter=exporter)
-        self.router = self._serve(build_app(RouterConfig(tuple(self.prefill), tuple(decode)), self.tracing))
+        self.metrics = RouterMetrics()
+        self.router = self._serve(build_app(RouterConfig(tuple(self.prefill), tuple(decode)), self.tracing,
+                                            self.metrics))
         self.client = httpx.Client(base_url=self.router.url, timeout=60)
 
     def _serve(self, app: Any) -> Served:
@@ -168,6 +68,7 @@ class Deployment:
         return self.client.post(path, content=content, headers=headers or {})
 
     def close(self) -> None:
+        self.journal.release.set()
         self.client.close()
         for srv in reversed(self.servers):
             srv.stop()
@@ -383,3 +284,248 @@ def test_prefill_spec_parses_coordinates():
     t = PrefillTarget.parse("http://p0:8100/,engine_id=prefill-0,side_channel=10.0.0.5:5600,tp_size=2")
     assert (t.url, t.engine_id, t.side_channel_host, t.side_channel_port, t.tp_size, t.pp_size) == \
         ("http://p0:8100", "prefill-0", "10.0.0.5", 5600, 2, 1)
+
+
+# ------------------------------------------------------------------ the router's /metrics
+COMPLETIONS = "/v1/completions"
+
+
+def sample(dep: Deployment, spec: Any, suffix: str = "", **labels: str) -> float:
+    """One sample of the router's registry (0 when the series does not exist)."""
+    name = spec.name + (suffix or {"counter": "_total", "histogram": "_count"}.get(spec.kind.value, ""))
+    value = dep.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def outcomes(dep: Deployment, route: str = COMPLETIONS) -> dict[str, float]:
+    return {o.value: sample(dep, V.ROUTER_REQUESTS, route=route, outcome=o.value) for o in V.RouterOutcome}
+
+
+def cancels(dep: Deployment) -> dict[tuple[str, str], float]:
+    return {(leg.value, r.value): sample(dep, V.ROUTER_LEGS_CANCELLED, leg=leg.value, reason=r.value)
+            for leg in RouterLeg for r in V.LegCancel}
+
+
+def legs_by_outcome(dep: Deployment) -> dict[tuple[str, str], float]:
+    return {(leg.value, o.value): sample(dep, V.ROUTER_LEG_DURATION, leg=leg.value, outcome=o.value)
+            for leg in RouterLeg for o in V.LegOutcome}
+
+
+def only(expected: dict[Any, float], got: dict[Any, float]) -> None:
+    """`got` has exactly the non-zero values of `expected` and 0 elsewhere."""
+    assert {k: v for k, v in got.items() if v} == expected, got
+
+
+def ttft_count(dep: Deployment, stream: bool, route: str = COMPLETIONS) -> float:
+    return sample(dep, V.ROUTER_TTFT, route=route, stream=V.bool_label(stream))
+
+
+def in_flight(dep: Deployment, route: str = COMPLETIONS) -> float:
+    return sample(dep, V.ROUTER_REQUESTS_IN_FLIGHT, route=route)
+
+
+def settled(dep: Deployment, total: int) -> None:
+    """Wait until `total` requests were counted and none is in flight (a streamed answer is
+    counted after its last byte reached the client, so just after the client read it)."""
+    wait_until(lambda: sum(outcomes(dep).values()) == total and in_flight(dep) == 0,
+               "the router to count the request", WAIT_S, 0.01, last=lambda: (outcomes(dep), in_flight(dep)))
+
+
+def test_every_router_series_exists_at_zero_before_any_request(deploy):
+    dep = deploy(["ok"], ["ok"])
+    text = dep.client.get(V.ROUTER_METRICS_PATH).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for spec in V.ROUTER_METRICS:
+        fam = families[spec.name]
+        assert fam.type == spec.kind.value, spec.name
+        combos = {tuple(s.labels[label] for label in spec.labels) for s in fam.samples
+                  if s.name in spec.series_names}
+        want = {()}
+        for label in spec.labels:
+            want = {(*c, v) for c in want for v in V.allowed_values(spec.name, label)}
+        assert combos == want, spec.name
+        assert all(s.value == 0 for s in fam.samples if s.name in spec.series_names), spec.name
+    code, lines = promrun.check_metrics(text)
+    assert (code, lines) == (0, []), lines
+
+
+def test_ok_request_counts_once_with_both_legs_and_ttft(deploy):
+    dep = deploy(["ok"], ["ok"])
+    assert dep.post(BODY).status_code == 200
+    settled(dep, 1)
+    only({"ok": 1}, outcomes(dep))
+    only({("prefill", "ok"): 1, ("decode", "ok"): 1}, legs_by_outcome(dep))
+    only({}, cancels(dep))
+    assert ttft_count(dep, stream=False) == 1 and ttft_count(dep, stream=True) == 0
+    # Not streamed, the first token the client sees is the whole answer: it comes after
+    # the decode leg, which the router sent after the request arrived.
+    ttft = sample(dep, V.ROUTER_TTFT, "_sum", route=COMPLETIONS, stream="false")
+    decode = sample(dep, V.ROUTER_LEG_DURATION, "_sum", leg="decode", outcome="ok")
+    assert ttft >= decode > 0
+
+
+def test_chat_requests_are_counted_under_their_route(deploy):
+    dep = deploy(["ok"], ["ok"])
+    resp = dep.post({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, path=legs.CHAT)
+    assert resp.status_code == 200
+    wait_until(lambda: outcomes(dep, legs.CHAT)["ok"] == 1, "the chat request counted", WAIT_S, 0.01)
+    only({}, outcomes(dep, COMPLETIONS))
+    assert ttft_count(dep, stream=False, route=legs.CHAT) == 1
+
+
+def test_streamed_ttft_is_taken_at_the_first_event_not_the_end(deploy):
+    dep = deploy(["ok"], ["stream_wait"])
+    with dep.client.stream("POST", COMPLETIONS, json={**BODY, "stream": True}) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        # D holds its stream open after the first event: TTFT is already there, the decode
+        # leg and the request are not.
+        wait_until(lambda: ttft_count(dep, stream=True) == 1, "the streamed TTFT", WAIT_S, 0.01)
+        assert in_flight(dep) == 1
+        assert sum(outcomes(dep).values()) == 0
+        assert legs_by_outcome(dep)[("decode", "ok")] == 0
+        dep.journal.release.set()
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    settled(dep, 1)
+    only({"ok": 1}, outcomes(dep))
+    only({("prefill", "ok"): 1, ("decode", "ok"): 1}, legs_by_outcome(dep))
+    assert ttft_count(dep, stream=False) == 0
+    ttft = sample(dep, V.ROUTER_TTFT, "_sum", route=COMPLETIONS, stream="true")
+    assert 0 < ttft < sample(dep, V.ROUTER_LEG_DURATION, "_sum", leg="decode", outcome="ok")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_failure_counts_prefill_failed_and_the_cancelled_decode_leg(deploy, stream):
+    dep = deploy(["fail"], ["hang"])
+    assert dep.post({**BODY, "stream": stream}).status_code == 502
+    settled(dep, 1)
+    only({"prefill_failed": 1}, outcomes(dep))
+    only({("prefill", "failed"): 1, ("decode", "cancelled"): 1}, legs_by_outcome(dep))
+    only({("decode", "other_leg_failed"): 1}, cancels(dep))
+    assert ttft_count(dep, stream) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_failure_counts_decode_failed_and_the_cancelled_prefill_leg(deploy, stream):
+    dep = deploy(["hang"], ["fail"])
+    assert dep.post({**BODY, "stream": stream}).status_code == 502
+    settled(dep, 1)
+    only({"decode_failed": 1}, outcomes(dep))
+    only({("prefill", "cancelled"): 1, ("decode", "failed"): 1}, legs_by_outcome(dep))
+    only({("prefill", "other_leg_failed"): 1}, cancels(dep))
+
+
+def test_bad_request_is_counted_without_legs(deploy):
+    dep = deploy(["ok"], ["ok"])
+    assert dep.post(b"{not json").status_code == 400
+    settled(dep, 1)
+    only({"bad_request": 1}, outcomes(dep))
+    only({}, legs_by_outcome(dep))
+
+
+def _raw_request(url: str, body: dict[str, Any]) -> socket.socket:
+    """A request on a plain socket, so the test can hang up without reading the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def test_client_disconnect_stops_both_legs_and_is_counted(deploy):
+    dep = deploy(["hang"], ["hang"])
+    sock = _raw_request(dep.router.url, BODY)
+    try:
+        wait_until(lambda: dep.journal.seen("arrive", "P0") and dep.journal.seen("arrive", "D0"),
+                   "both legs at their engines", WAIT_S, 0.01)
+        assert in_flight(dep) == 1
+    finally:
+        sock.close()
+    settled(dep, 1)
+    only({"client_disconnected": 1}, outcomes(dep))
+    only({("prefill", "client_disconnected"): 1, ("decode", "client_disconnected"): 1}, cancels(dep))
+    only({("prefill", "cancelled"): 1, ("decode", "cancelled"): 1}, legs_by_outcome(dep))
+    wait_until(lambda: dep.journal.seen("disconnect", "P0") == dep.journal.seen("disconnect", "D0") == 1,
+               "both engines to see the router hang up", WAIT_S)
+
+
+def test_client_disconnect_mid_stream_stops_decode_and_is_counted(deploy):
+    dep = deploy(["ok"], ["stream_wait"])
+    sock = _raw_request(dep.router.url, {**BODY, "stream": True})
+    try:
+        wait_until(lambda: b"data: " in sock.recv(65536), "the first streamed event", WAIT_S)
+        wait_until(lambda: ttft_count(dep, stream=True) == 1, "the streamed TTFT", WAIT_S, 0.01)
+    finally:
+        sock.close()
+    settled(dep, 1)
+    only({"client_disconnected": 1}, outcomes(dep))
+    got = cancels(dep)
+    assert got[("decode", "client_disconnected")] == 1
+    legs_seen = legs_by_outcome(dep)
+    # P answered (ok) or was still in flight and stopped with the stream (cancelled): once.
+    assert legs_seen[("prefill", "ok")] + legs_seen[("prefill", "cancelled")] == 1
+    assert got[("prefill", "client_disconnected")] == legs_seen[("prefill", "cancelled")]
+    wait_until(lambda: dep.journal.seen("disconnect", "D0") == 1, "D to see the router hang up", WAIT_S)
+
+
+class _Broken:
+    """A metric whose every use raises (failure injection for the telemetry guard)."""
+
+    def labels(self, *_: Any) -> Any:
+        raise RuntimeError("metric backend exploded")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_telemetry_failures_never_fail_a_request(deploy, stream):
+    dep = deploy(["ok"], ["ok"])
+    for name in ("ttft", "leg_duration", "in_flight", "legs_cancelled"):
+        setattr(dep.metrics, name, _Broken())
+    with dep.client.stream("POST", COMPLETIONS, json={**BODY, "stream": stream}) as resp:
+        assert resp.status_code == 200
+        assert b"11" in resp.read()
+    wait_until(lambda: outcomes(dep)["ok"] == 1, "the request counted", WAIT_S, 0.01)
+    dep.metrics.requests = _Broken()
+    assert dep.post({**BODY, "stream": stream}).status_code == 200
+
+
+def test_metrics_endpoint_serves_openmetrics_with_trace_exemplars(deploy):
+    exporter = InMemorySpanExporter()
+    dep = deploy(["ok"], ["ok"], exporter=exporter)
+    assert dep.post(BODY, {"traceparent": TRACEPARENT}).status_code == 200
+    settled(dep, 1)
+    dep.tracing.provider.force_flush()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    text = dep.client.get(V.ROUTER_METRICS_PATH,
+                          headers={"Accept": "application/openmetrics-text; version=1.0.0"}).text
+    assert text.rstrip().endswith("# EOF")
+    found = {(name, ex["trace_id"], ex["span_id"]) for name, _, ex in _exemplars(text)}
+    assert (V.ROUTER_TTFT.name + "_bucket", TRACE_ID,
+            f"{spans[SPAN_ROUTER_REQUEST].context.span_id:016x}") in found
+    for leg in RouterLeg:
+        assert (V.ROUTER_LEG_DURATION.name + "_bucket", TRACE_ID,
+                f"{spans[router_leg_span_name(leg)].context.span_id:016x}") in found
+
+
+def _exemplars(text: str) -> list[tuple[str, dict[str, str], dict[str, str]]]:
+    """(sample name, labels, exemplar labels) of every OpenMetrics line with an exemplar."""
+    out = []
+    for family in text_string_to_openmetrics_families(text):
+        for s in family.samples:
+            if s.exemplar is not None:
+                out.append((s.name, dict(s.labels), dict(s.exemplar.labels)))
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_request_span_carries_the_ttft_the_histogram_observed(deploy, stream):
+    exporter = InMemorySpanExporter()
+    dep = deploy(["ok"], ["ok"], exporter=exporter)
+    with dep.client.stream("POST", COMPLETIONS, json={**BODY, "stream": stream}) as resp:
+        assert resp.status_code == 200
+        resp.read()
+    settled(dep, 1)
+    dep.tracing.provider.force_flush()
+    server = next(s for s in exporter.get_finished_spans() if s.name == SPAN_ROUTER_REQUEST)
+    observed = sample(dep, V.ROUTER_TTFT, "_sum", route=COMPLETIONS, stream=V.bool_label(stream))
+    assert observed > 0 and server.attributes[V.RouterAttr.TTFT] == observed

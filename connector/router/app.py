@@ -1,4 +1,4 @@
-"""The router's HTTP app: both legs at once, D's answer back, clean errors.
+"""The router's HTTP app: both legs at once, D's answer back, clean errors, its own /metrics.
 
 Error contract (bodies are OpenAI-style `{"error": {"message", "type", "code"}}`):
 - bad body -> 400 with the reason, no leg is sent;
@@ -6,7 +6,9 @@ Error contract (bodies are OpenAI-style `{"error": {"message", "type", "code"}}`
 - P or D answers 5xx -> 502 naming the leg and its status;
 - P or D unreachable / times out -> 503 naming the leg and the cause.
 When P fails, the D leg is cancelled (its connection closed, so vLLM aborts the request
-instead of waiting out its KV lease); when D fails first, the P leg is cancelled too.
+instead of waiting out its KV lease); when D fails first, the P leg is cancelled too; when
+the client goes away, both are. `GET /metrics` serves the router's own metrics
+(connector/router/metrics.py), OpenMetrics with exemplars when the scraper asks for it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import itertools
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,11 +33,22 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from connector.router import legs
 from connector.router.config import PrefillTarget, RouterConfig
+from connector.router.metrics import RequestRecord, RouterMetrics
 from connector.router.tracing import TRACE_HEADERS, RouterTracing
-from connector.vocabulary import SPAN_ROUTER_REQUEST, RouterAttr, RouterLeg, router_leg_span_name
+from connector.vocabulary import (
+    ROUTER_METRICS_PATH,
+    SPAN_ROUTER_REQUEST,
+    LegCancel,
+    LegOutcome,
+    RouterAttr,
+    RouterLeg,
+    RouterOutcome,
+    router_leg_span_name,
+)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _LOG = logging.getLogger("connector.router")
+CANCELLED = "cancelled"
 
 
 @dataclass
@@ -52,6 +66,11 @@ class LegResult:
 
     def error_type(self) -> str:
         return "" if self.ok else (self.error.split(":", 1)[0] if self.error else "http_error")
+
+    def outcome(self) -> LegOutcome:
+        if self.ok:
+            return LegOutcome.OK
+        return LegOutcome.CANCELLED if self.error.startswith(CANCELLED) else LegOutcome.FAILED
 
     def failure(self) -> Response:
         """The response the client gets for this failed leg (also logged: the client's
@@ -82,6 +101,7 @@ class _Span:
                  attributes: dict[str, Any]):
         self.span = tracer.start_span(name, context=parent, kind=kind, attributes=attributes) \
             if tracer is not None else None
+        self.ended = False
 
     def context(self) -> Any:
         return trace.set_span_in_context(self.span) if self.span is not None else None
@@ -94,8 +114,9 @@ class _Span:
         return carrier
 
     def end(self, status: int = 0, error: str = "") -> None:
-        if self.span is None:
+        if self.span is None or self.ended:
             return
+        self.ended = True
         if status:
             self.span.set_attribute(RouterAttr.HTTP_STATUS, status)
         if error or status >= 500:
@@ -104,12 +125,69 @@ class _Span:
         self.span.end()
 
 
+class _Delivered(Response):
+    """Sends `inner`, then awaits `on_done(sent)`: the moment the client has the answer (or
+    the connection is gone), whatever the path, so nothing a request holds is left open."""
+
+    def __init__(self, inner: Response, on_done: Callable[[bool], Awaitable[None]]):
+        super().__init__(status_code=inner.status_code)
+        self.inner, self.on_done = inner, on_done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        sent = False
+        try:
+            await self.inner(scope, receive, send)
+            sent = True
+        finally:
+            await self.on_done(sent)
+        if self.background is not None:
+            await self.background()
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client's connection closes (the body has already been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass
+class _Exchange:
+    """The parts of one request in flight: its spans, its record, its legs."""
+
+    rec: RequestRecord
+    server: _Span
+    p_leg: _Span
+    d_leg: _Span
+    p_task: asyncio.Task[LegResult] | None = None
+    d_resp: httpx.Response | None = None
+    closed: bool = False
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def span(self, leg: RouterLeg) -> _Span:
+        return self.p_leg if leg is RouterLeg.PREFILL else self.d_leg
+
+    def leg_result(self, result: LegResult) -> None:
+        """End a leg's span and figures with what it came back with."""
+        self.span(result.leg).end(result.status, result.error_type())
+        self.rec.leg_done(result.leg, result.outcome())
+
+    def cancel_leg(self, leg: RouterLeg, reason: LegCancel) -> None:
+        self.span(leg).end(error=CANCELLED)
+        self.rec.leg_cancelled(leg, reason)
+
+
 class Router:
     """Round-robin over P and D targets; one `httpx.AsyncClient` for all legs."""
 
-    def __init__(self, config: RouterConfig, tracing: RouterTracing | None = None):
+    def __init__(self, config: RouterConfig, tracing: RouterTracing | None = None,
+                 metrics: RouterMetrics | None = None):
         self.config = config
         self.tracing = tracing or RouterTracing()
+        self.metrics = metrics or RouterMetrics()
         self._prefill = itertools.cycle(config.prefill)
         self._decode = itertools.cycle(config.decode)
         self.client: httpx.AsyncClient | None = None
@@ -128,73 +206,127 @@ class Router:
 
     # ------------------------------------------------------------------ one request
     async def handle(self, request: Request, route: str) -> Response:
+        rec = self.metrics.start(route)
+        try:
+            response = await self._handle(request, route, rec)
+        except BaseException:
+            rec.release()
+            raise
+        if not isinstance(response, _Delivered):
+            rec.release()  # (an answer that is still being sent leaves when it is done)
+        return response
+
+    async def _handle(self, request: Request, route: str, rec: RequestRecord) -> Response:
         incoming = {k: request.headers[k] for k in TRACE_HEADERS if k in request.headers}
         parent = _PROPAGATOR.extract(incoming) if incoming else None
         request_id = request.headers.get("x-request-id") or f"router-{uuid.uuid4().hex}"
         server = _Span(self.tracing.tracer, SPAN_ROUTER_REQUEST, SpanKind.SERVER, parent,
                        {RouterAttr.HTTP_ROUTE: route, RouterAttr.HTTP_METHOD: "POST",
                         RouterAttr.REQUEST_ID: request_id})
+        rec.span = server.span
         try:
             body = legs.parse_body(await request.body(), route)
         except legs.BadRequest as exc:
-            server.end(400, "bad_request")
+            server.end(400, RouterOutcome.BAD_REQUEST.value)
+            rec.finish(RouterOutcome.BAD_REQUEST)
             return _error(400, str(exc), "invalid_request_error")
         prefill, decode_url = self.pick()
         transfer_id = request_id
         stream = bool(body.get("stream", False))
+        rec.stream = stream
         if server.span is not None:
             server.span.set_attributes({RouterAttr.STREAM: stream, RouterAttr.TRANSFER_ID: transfer_id,
                                         RouterAttr.PREFILL_ENGINE_ID: prefill.engine_id})
         p_body = legs.prefill_body(body, route, transfer_id)
         d_body = legs.decode_body(body, prefill, request_id, transfer_id)
-        p_leg = self._leg_span(server, RouterLeg.PREFILL, prefill.url + route)
-        d_leg = self._leg_span(server, RouterLeg.DECODE, decode_url + route)
+        ex = _Exchange(rec, server, self._leg_span(server, RouterLeg.PREFILL, prefill.url + route),
+                       self._leg_span(server, RouterLeg.DECODE, decode_url + route))
         base = {"X-Request-Id": request_id, "Content-Type": "application/json"}
-        p_task = asyncio.create_task(self._post(RouterLeg.PREFILL, prefill.url + route, p_body,
-                                                {**base, **p_leg.headers(incoming)}))
-        if stream:
-            return await self._stream(server, p_task, p_leg, d_leg, decode_url + route, d_body,
-                                      {**base, **d_leg.headers(incoming)})
-        d_task = asyncio.create_task(self._post(RouterLeg.DECODE, decode_url + route, d_body,
-                                                {**base, **d_leg.headers(incoming)}))
+        rec.leg_sent(RouterLeg.PREFILL, ex.p_leg.span)
+        ex.p_task = asyncio.create_task(self._post(RouterLeg.PREFILL, prefill.url + route, p_body,
+                                                   {**base, **ex.p_leg.headers(incoming)}))
+        d_headers = {**base, **ex.d_leg.headers(incoming)}
+        gone = asyncio.create_task(_until_disconnected(request))
         try:
-            p, d, failed = await self._both(p_task, d_task)
-        except BaseException:  # client went away: stop both legs
-            for t in (p_task, d_task):
-                t.cancel()
-            p_leg.end(error="cancelled")
-            d_leg.end(error="cancelled")
-            server.end(499, "client_disconnected")
-            raise
-        p_leg.end(p.status, p.error_type())
-        d_leg.end(d.status, d.error_type())
-        if failed is None:  # D answered: the KV arrived
-            response: Response = Response(d.body, status_code=d.status, media_type="application/json")
-        else:
-            response = failed.failure()
-        server.end(response.status_code, "" if failed is None else f"{failed.leg.value}_failed")
-        return response
+            if stream:
+                return await self._stream(ex, gone, decode_url + route, d_body, d_headers)
+            return await self._whole(ex, gone, decode_url + route, d_body, d_headers)
+        finally:
+            gone.cancel()
 
     def _leg_span(self, server: _Span, leg: RouterLeg, url: str) -> _Span:
         return _Span(self.tracing.tracer, router_leg_span_name(leg), SpanKind.CLIENT, server.context(),
                      {RouterAttr.LEG: leg.value, RouterAttr.URL: url, RouterAttr.HTTP_METHOD: "POST"})
 
-    async def _both(self, p_task: asyncio.Task[LegResult], d_task: asyncio.Task[LegResult]
-                    ) -> tuple[LegResult, LegResult, LegResult | None]:
+    def _client_gone(self, ex: _Exchange, tasks: list[asyncio.Future[Any]]) -> Response:
+        """Stop every leg still in flight; the client will not read the answer."""
+        for task in tasks:
+            task.cancel()
+        for leg in ex.rec.open_legs():
+            ex.cancel_leg(leg, LegCancel.CLIENT_DISCONNECTED)
+        ex.server.end(499, RouterOutcome.CLIENT_DISCONNECTED.value)
+        ex.rec.finish(RouterOutcome.CLIENT_DISCONNECTED)
+        return _error(499, "client disconnected", "client_disconnected")
+
+    # ------------------------------------------------------------------ not streamed
+    async def _whole(self, ex: _Exchange, gone: asyncio.Task[None], url: str, body: dict[str, Any],
+                     headers: dict[str, str]) -> Response:
+        assert ex.p_task is not None
+        ex.rec.leg_sent(RouterLeg.DECODE, ex.d_leg.span)
+        d_task = asyncio.create_task(self._post(RouterLeg.DECODE, url, body, headers))
+        try:
+            p, d, failed = await self._both(ex, ex.p_task, d_task, gone)
+        except _ClientGone:
+            return self._client_gone(ex, [ex.p_task, d_task])
+        except BaseException:  # the router itself is stopping: stop both legs
+            for t in (ex.p_task, d_task):
+                t.cancel()
+            ex.p_leg.end(error=CANCELLED)
+            ex.d_leg.end(error=CANCELLED)
+            ex.server.end(499, RouterOutcome.CLIENT_DISCONNECTED.value)
+            raise
+        ex.leg_result(p)
+        ex.leg_result(d)
+        if failed is not None:
+            outcome = (RouterOutcome.PREFILL_FAILED if failed.leg is RouterLeg.PREFILL
+                       else RouterOutcome.DECODE_FAILED)
+            response = failed.failure()
+            ex.server.end(response.status_code, outcome.value)
+            ex.rec.finish(outcome)
+            return response
+        async def delivered(sent: bool) -> None:
+            # D answered (the KV arrived); the request's span ends once the client has it.
+            if sent:  # not streamed: the whole answer is the first token the client sees
+                ex.rec.first_token()
+                ex.server.end(d.status)
+                ex.rec.finish(RouterOutcome.OK)
+            else:
+                ex.server.end(499, RouterOutcome.CLIENT_DISCONNECTED.value)
+                ex.rec.finish(RouterOutcome.CLIENT_DISCONNECTED)
+
+        return _Delivered(Response(d.body, status_code=d.status, media_type="application/json"), delivered)
+
+    async def _both(self, ex: _Exchange, p_task: asyncio.Task[LegResult], d_task: asyncio.Task[LegResult],
+                    gone: asyncio.Task[None]) -> tuple[LegResult, LegResult, LegResult | None]:
         """Both legs' results and the one that failed first (None when D succeeded).
 
         A failed leg cancels the other one still in flight. Once D has answered the
-        request is served, whatever P's answer says.
+        request is served, whatever P's answer says. Raises _ClientGone if the client
+        closes its connection first.
         """
-        pending = {p_task, d_task}
+        pending: set[asyncio.Future[Any]] = {p_task, d_task}
         while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            pending -= done
+            if gone in done and not (p_task.done() and d_task.done()):
+                raise _ClientGone
             for task, other, leg in ((p_task, d_task, RouterLeg.DECODE), (d_task, p_task, RouterLeg.PREFILL)):
                 if task in done and not task.result().ok and not other.done():
                     other.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await other
-                    stopped = LegResult(leg, error="cancelled: the other leg failed")
+                    ex.cancel_leg(leg, LegCancel.OTHER_LEG_FAILED)
+                    stopped = LegResult(leg, error=f"{CANCELLED}: the other leg failed")
                     results = (task.result(), stopped) if task is p_task else (stopped, task.result())
                     return results[0], results[1], task.result()
         p, d = p_task.result(), d_task.result()
@@ -210,50 +342,72 @@ class Router:
         return LegResult(leg, status=resp.status_code, body=resp.content)
 
     # ------------------------------------------------------------------ streaming
-    async def _stream(self, server: _Span, p_task: asyncio.Task[LegResult], p_leg: _Span, d_leg: _Span,
-                      url: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
-        assert self.client is not None
+    async def _stream(self, ex: _Exchange, gone: asyncio.Task[None], url: str, body: dict[str, Any],
+                      headers: dict[str, str]) -> Response:
+        assert self.client is not None and ex.p_task is not None
+        p_task = ex.p_task
         d_request = self.client.build_request("POST", url, content=json.dumps(body), headers=headers)
+        ex.rec.leg_sent(RouterLeg.DECODE, ex.d_leg.span)
         d_task = asyncio.create_task(self.client.send(d_request, stream=True))
-        done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({p_task, d_task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if gone in done and not d_task.done():
+            response = self._client_gone(ex, [p_task, d_task])
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await (await d_task).aclose()
+            return response
         if p_task in done and not p_task.result().ok:
             d_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
                 resp = await d_task
                 await resp.aclose()
             p = p_task.result()
-            p_leg.end(p.status, p.error or "http_error")
-            d_leg.end(error="cancelled")
+            ex.span(RouterLeg.PREFILL).end(p.status, p.error or "http_error")
+            ex.rec.leg_done(RouterLeg.PREFILL, p.outcome())
+            ex.cancel_leg(RouterLeg.DECODE, LegCancel.OTHER_LEG_FAILED)
             response = p.failure()
-            server.end(response.status_code, "prefill_failed")
+            ex.server.end(response.status_code, RouterOutcome.PREFILL_FAILED.value)
+            ex.rec.finish(RouterOutcome.PREFILL_FAILED)
             return response
         try:
             d_resp = await d_task
         except httpx.HTTPError as exc:
             p_task.cancel()
             d = LegResult(RouterLeg.DECODE, error=f"{type(exc).__name__}: {exc}")
-            p_leg.end(error="cancelled")
-            d_leg.end(error=d.error)
+            ex.cancel_leg(RouterLeg.PREFILL, LegCancel.OTHER_LEG_FAILED)
+            ex.leg_result(d)
             response = d.failure()
-            server.end(response.status_code, "decode_failed")
+            ex.server.end(response.status_code, RouterOutcome.DECODE_FAILED.value)
+            ex.rec.finish(RouterOutcome.DECODE_FAILED)
             return response
         if d_resp.status_code != 200:
             d = LegResult(RouterLeg.DECODE, status=d_resp.status_code, body=await d_resp.aread())
             await d_resp.aclose()
             p_task.cancel()
-            p_leg.end(error="cancelled")
-            d_leg.end(d.status, "http_error")
+            ex.cancel_leg(RouterLeg.PREFILL, LegCancel.OTHER_LEG_FAILED)
+            ex.leg_result(d)
             response = d.failure()
-            server.end(response.status_code, "decode_failed")
+            ex.server.end(response.status_code, RouterOutcome.DECODE_FAILED.value)
+            ex.rec.finish(RouterOutcome.DECODE_FAILED)
             return response
+        ex.d_resp = d_resp
         media = d_resp.headers.get("content-type", "text/event-stream")
-        return StreamingResponse(self._pump(server, p_task, p_leg, d_leg, d_resp), media_type=media)
+        pump = self._pump(ex, d_resp)
 
-    async def _pump(self, server: _Span, p_task: asyncio.Task[LegResult], p_leg: _Span, d_leg: _Span,
-                    d_resp: httpx.Response) -> AsyncIterator[bytes]:
+        async def delivered(sent: bool) -> None:
+            # The stream's generator ends the request itself; if it never ran, or the
+            # connection broke mid-way, it is closed here (its `finally` then runs).
+            with contextlib.suppress(Exception):
+                await pump.aclose()
+            await self._close_stream(ex, RouterOutcome.CLIENT_DISCONNECTED)
+
+        return _Delivered(StreamingResponse(pump, media_type=media), delivered)
+
+    async def _pump(self, ex: _Exchange, d_resp: httpx.Response) -> AsyncIterator[bytes]:
         """D's SSE bytes as they come; an SSE error event and the end if P fails first."""
+        assert ex.p_task is not None
+        p_task = ex.p_task
         chunks = d_resp.aiter_raw().__aiter__()
-        error = ""
+        outcome = RouterOutcome.CLIENT_DISCONNECTED  # unless the stream ends otherwise
         nxt: asyncio.Future[Any] | None = None
         try:
             while True:
@@ -268,36 +422,61 @@ class Router:
                 if p_task.done() and not nxt.done() and not p_task.result().ok:
                     nxt.cancel()
                     p = p_task.result()
-                    error = "prefill_failed"
+                    outcome = RouterOutcome.PREFILL_FAILED
                     yield _sse_error(f"prefill leg failed: {p.error or f'HTTP {p.status}'}")
                     return
                 if not nxt.done():
                     continue  # P finished fine; keep waiting for D's next chunk
                 done, nxt = nxt, None
                 try:
-                    yield done.result()
+                    chunk = done.result()
                 except StopAsyncIteration:
+                    outcome = RouterOutcome.OK
                     return
                 except httpx.HTTPError as exc:
-                    error = "decode_failed"
+                    outcome = RouterOutcome.DECODE_FAILED
                     yield _sse_error(f"decode leg failed: {type(exc).__name__}: {exc}")
                     return
+                yield chunk
+                ex.rec.first_token()  # (the generator resumes once the chunk was sent)
         finally:
             if nxt is not None and not nxt.done():
                 nxt.cancel()
-            await d_resp.aclose()
-            if not p_task.done():
-                p_task.cancel()
-                p_leg.end(error="cancelled")
-            else:
-                p = p_task.result()
-                p_leg.end(p.status, "" if p.ok else (p.error or "http_error"))
-            d_leg.end(d_resp.status_code, error)
-            server.end(200, error)
+            await self._close_stream(ex, outcome)
+
+    async def _close_stream(self, ex: _Exchange, outcome: RouterOutcome) -> None:
+        """End a streamed request once: close D's stream, stop P if it still runs, count it."""
+        if ex.closed:
+            return
+        ex.closed = True
+        assert ex.p_task is not None and ex.d_resp is not None
+        if not ex.p_task.done():
+            ex.p_task.cancel()
+            reason = {RouterOutcome.OK: LegCancel.REQUEST_SERVED,
+                      RouterOutcome.DECODE_FAILED: LegCancel.OTHER_LEG_FAILED}.get(
+                outcome, LegCancel.CLIENT_DISCONNECTED)
+            ex.cancel_leg(RouterLeg.PREFILL, reason)
+        else:
+            ex.leg_result(ex.p_task.result())
+        if outcome is RouterOutcome.PREFILL_FAILED:
+            ex.cancel_leg(RouterLeg.DECODE, LegCancel.OTHER_LEG_FAILED)
+        elif outcome is RouterOutcome.CLIENT_DISCONNECTED:
+            ex.cancel_leg(RouterLeg.DECODE, LegCancel.CLIENT_DISCONNECTED)
+        else:
+            ok = outcome is RouterOutcome.OK
+            ex.d_leg.end(ex.d_resp.status_code, "" if ok else outcome.value)
+            ex.rec.leg_done(RouterLeg.DECODE, LegOutcome.OK if ok else LegOutcome.FAILED)
+        ex.server.end(200 if outcome is not RouterOutcome.CLIENT_DISCONNECTED else 499,
+                      "" if outcome is RouterOutcome.OK else outcome.value)
+        ex.rec.finish(outcome)
+        # Last, and shielded: a cancelled stream (client gone) is cancelled again at every await.
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await ex.d_resp.aclose()
 
 
-def build_app(config: RouterConfig, tracing: RouterTracing | None = None) -> FastAPI:
-    router = Router(config, tracing)
+def build_app(config: RouterConfig, tracing: RouterTracing | None = None,
+              metrics: RouterMetrics | None = None) -> FastAPI:
+    router = Router(config, tracing, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -322,6 +501,11 @@ def build_app(config: RouterConfig, tracing: RouterTracing | None = None) -> Fas
     async def health() -> dict[str, Any]:
         return {"prefill": [p.url for p in config.prefill], "decode": list(config.decode)}
 
+    @app.get(ROUTER_METRICS_PATH, include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        body, content_type = router.metrics.exposition(request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
+
     @app.get("/v1/models")
     async def models() -> Response:
         assert router.client is not None
@@ -333,3 +517,4 @@ def build_app(config: RouterConfig, tracing: RouterTracing | None = None) -> Fas
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
     return app
+

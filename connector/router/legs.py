@@ -12,9 +12,10 @@ import json
 from typing import Any
 
 from connector.router.config import PrefillTarget
+from connector.vocabulary import ROUTE_CHAT, ROUTE_COMPLETIONS
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
+COMPLETIONS = ROUTE_COMPLETIONS
+CHAT = ROUTE_CHAT
 # The field that must be present per route (what the engine generates from).
 _INPUT_FIELD = {COMPLETIONS: "prompt", CHAT: "messages"}
 
