@@ -499,6 +499,40 @@ def _peers() -> list[Cell]:
     ]
 
 
+def _push_state() -> list[Cell]:
+    push_fails, aborts = total(V.PUSH_FAIL_NOTIFS), total(V.WRITE_ABORTS)
+    abandoned, forgotten = total(V.RECEIVES_ABANDONED), total(V.PEERS_FORGOTTEN)
+    return [
+        Cell(timeseries("PUSH_FAILs owed/s (P)",
+                        "PUSH_FAIL notifications a prefill owed a decoder (its request gets no KV "
+                        "from here: the decoder recomputes at once instead of waiting for "
+                        f"push_registration_timeout), by reason and whether they were sent: rate of "
+                        f"{push_fails}. Sent only once every rank's WRITE of the request settled; "
+                        "undeliverable ones leave their decoder waiting for its own timeout.",
+                        [target(f"sum {by(Label.REASON, Label.OUTCOME)} (rate({sel(push_fails)}[{RATE}]))",
+                                "{{reason}} {{outcome}}")],
+                        "suffix: notifs/s"), 8, 8),
+        Cell(timeseries("WRITEs aborted/s (P)",
+                        "WRITEs that did not settle within push_write_timeout_s: aborted (NIXL "
+                        "released them, the lease is released and the decoder told) or abort_failed "
+                        f"(NIXL kept them: the blocks stay held): rate of {aborts}. Alert "
+                        "NixlPushWriteAbortFailed fires on abort_failed.",
+                        [target(f"sum {by(Label.OUTCOME)} (rate({sel(aborts)}[{RATE}]))", "{{outcome}}")],
+                        "suffix: writes/s"), 6, 8),
+        Cell(timeseries("Receives given up/s (D)",
+                        "Registered receives a decode worker gave up (client gone, registration "
+                        f"timeout, prefill silent), by reason: rate of {abandoned}. Their blocks stay "
+                        "held until no WRITE into them can come (a lease plus the WRITE timeout "
+                        "after the decoder last asked), then vLLM frees or recomputes.",
+                        [target(f"sum {by(Label.REASON)} (rate({sel(abandoned)}[{RATE}]))", "{{reason}}")],
+                        "suffix: receives/s"), 6, 8),
+        Cell(count_stat("Peers forgotten",
+                        "Remote engines dropped and silent for peer_forget_after_s, then forgotten "
+                        f"(what was kept for them released), in the dashboard range: {forgotten}."
+                        + EXACT_NOTE, changed(forgotten)), 4, 8),
+    ]
+
+
 def _reliability() -> list[Cell]:
     in_flight, oldest = gauge(V.HANDSHAKES_IN_FLIGHT), gauge(V.HANDSHAKE_OLDEST_IN_FLIGHT)
     retries, rejected = total(V.HANDSHAKE_RETRIES), total(V.PUSH_REG_REJECTED)
@@ -667,6 +701,7 @@ ROWS: tuple[tuple[str, bool, Callable[[], list[Cell]]], ...] = (
     ("Push flow", False, _push_flow),
     ("KV leases", False, _leases),
     ("Peers", False, _peers),
+    ("Push state", False, _push_state),
     ("Reliability", False, _reliability),
     (ROUTER_ROW, True, _router),
     (STOCK_ROW, True, _stock),

@@ -123,6 +123,24 @@ def _peer_alerts() -> list[dict[str, Any]]:
     ]
 
 
+def _push_state_alerts() -> list[dict[str, Any]]:
+    """NIXL would not release a WRITE past its timeout: its lease's blocks stay held."""
+    aborts = total(V.WRITE_ABORTS)
+    failed = eq(Label.OUTCOME, V.WriteAbort.ABORT_FAILED.value)
+    return [
+        {"alert": "NixlPushWriteAbortFailed",
+         "expr": f"sum {by(*INSTANCE)} (increase({s(aborts, failed)}[{PEER_RESTART_WINDOW}]))\n> 0",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "NIXL keeps a stuck WRITE on {{ $labels.instance }}",
+             "description": "{{ $value }} WRITE(s) of prefill engine {{ $labels.instance }} did "
+                            "not settle within push_write_timeout_s and NIXL refused to release "
+                            f"them in the last {PEER_RESTART_WINDOW}. Their KV blocks stay held "
+                            "(nothing is freed under a running WRITE) and the abort is retried "
+                            "every step; the link to the decoder is likely broken."}},
+    ]
+
+
 def _router_alerts() -> list[dict[str, Any]]:
     """The router's clients get errors: a leg failed for a share of its requests."""
     reqs, win = total(V.ROUTER_REQUESTS), ROUTER_WINDOW
@@ -274,6 +292,7 @@ def build_rules() -> dict[str, Any]:
                             f"{RECEIVE_P99_THRESHOLD_S}s), from registration to KV landed."}},
         *_lease_alerts(),
         *_peer_alerts(),
+        *_push_state_alerts(),
         *_router_alerts(),
     ]
     return {"groups": [

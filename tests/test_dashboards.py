@@ -428,7 +428,8 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
                       "NixlReceivesFailing", "NixlReceiveLatencyP99High",
                       "NixlHandshakeStuck", "NixlPushRegRejected",
                       "NixlKvLeaseExpiredWhileWanted", "NixlHeartbeatsMatchNothing", "NixlPeerRestarted",
-                      "NixlRemotePrefillWaitingLong", "NixlRouterLegErrorRatioHigh"}
+                      "NixlRemotePrefillWaitingLong", "NixlRouterLegErrorRatioHigh",
+                      "NixlPushWriteAbortFailed"}
     assert firing == alerts and quiet == alerts
 
 

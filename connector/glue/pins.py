@@ -31,6 +31,12 @@ PINNED_SOURCES: dict[Minor, dict[str, str]] = {
         "NixlPushConnectorWorker._push_writer_loop": "b241b98039044f8b",
         "NixlPushConnectorWorker.get_transfer_results": "f77817186d4c1dd0",
         "NixlBaseConnectorWorker.get_transfer_results": "940893539175e22d",
+        "NixlPushConnectorWorker._pop_matching_registration": "4d349834db0ab68c",
+        "NixlBaseConnectorWorker._send_heartbeats": "2a8a412490206141",
+        "NixlPushConnectorWorker._do_start_push_kv": "f744c6a152e2d7aa",
+        "NixlBaseConnectorWorker._evict_stale_engines": "9a5fd91af6f432b9",
+        "NixlPushConnectorWorker._xfer_blocks_for_req": "140845f470c485c2",
+        "NixlPushConnectorWorker._get_new_notifs": "e9f04324a95ff6d9",
     },
     (0, 33): {
         "NixlBaseConnectorWorker._ensure_handshake": "259894cd168148e0",
@@ -43,6 +49,12 @@ PINNED_SOURCES: dict[Minor, dict[str, str]] = {
         "NixlPushConnectorWorker._push_writer_loop": "b241b98039044f8b",
         "NixlPushConnectorWorker.get_transfer_results": "24c9c922d387de3b",
         "NixlBaseConnectorWorker.get_transfer_results": "940893539175e22d",
+        "NixlPushConnectorWorker._pop_matching_registration": "4d349834db0ab68c",
+        "NixlBaseConnectorWorker._send_heartbeats": "2a8a412490206141",
+        "NixlPushConnectorWorker._do_start_push_kv": "f744c6a152e2d7aa",
+        "NixlBaseConnectorWorker._evict_stale_engines": "9a5fd91af6f432b9",
+        "NixlPushConnectorWorker._xfer_blocks_for_req": "140845f470c485c2",
+        "NixlPushConnectorWorker._get_new_notifs": "ad58ad79de2dbc6d",
     },
     (0, 34): {
         "NixlBaseConnectorWorker._ensure_handshake": "259894cd168148e0",
@@ -55,6 +67,12 @@ PINNED_SOURCES: dict[Minor, dict[str, str]] = {
         "NixlPushConnectorWorker._push_writer_loop": "b241b98039044f8b",
         "NixlPushConnectorWorker.get_transfer_results": "24c9c922d387de3b",
         "NixlBaseConnectorWorker.get_transfer_results": "018a2aa039160895",
+        "NixlPushConnectorWorker._pop_matching_registration": "4d349834db0ab68c",
+        "NixlBaseConnectorWorker._send_heartbeats": "2a8a412490206141",
+        "NixlPushConnectorWorker._do_start_push_kv": "f744c6a152e2d7aa",
+        "NixlBaseConnectorWorker._evict_stale_engines": "9a5fd91af6f432b9",
+        "NixlPushConnectorWorker._xfer_blocks_for_req": "61ad31254ddf3666",
+        "NixlPushConnectorWorker._get_new_notifs": "ad58ad79de2dbc6d",
     },
 }
 
@@ -83,6 +101,22 @@ WHY_PINNED: dict[str, str] = {
     "NixlBaseConnectorWorker.get_transfer_results":
         "relied on by worker.py, receive.py, peers.py: notifications are read first, then "
         "_failed_recv_reqs is drained (the fork queues its failed receives before calling it)",
+    "NixlPushConnectorWorker._pop_matching_registration":
+        "re-implemented in push.py (the lease ledger claims the match or refuses it)",
+    "NixlBaseConnectorWorker._send_heartbeats":
+        "relied on by leases.py: it reads only metadata.heartbeat_by_engine and skips an engine "
+        "whose handshake is pending (the fork sends that heartbeat once connected)",
+    "NixlPushConnectorWorker._do_start_push_kv":
+        "relied on by push.py: it posts WRITEs only through _xfer_blocks_for_req once the P->D "
+        "handshake is done, and defers (request, blocks, registration) onto _deferred_push_inbox",
+    "NixlPushConnectorWorker._xfer_blocks_for_req":
+        "relied on by push.py: each WRITE is posted through _xfer_blocks and all handles are "
+        "published in one locked update at the end",
+    "NixlBaseConnectorWorker._evict_stale_engines":
+        "relied on by peers.py: it releases idle engines only through _cleanup_remote_engine",
+    "NixlPushConnectorWorker._get_new_notifs":
+        "relied on by leases.py and peers.py: heartbeats are its only use of HB notifications (the "
+        "fork's writer applies them and takes them out)",
 }
 
 # ------------------------------------------------------------------ attributes
