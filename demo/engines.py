@@ -68,14 +68,18 @@ def alive(pid: int) -> bool:
 
 
 class Process:
-    """A child process in its own session with its output in a log file."""
+    """A child process in its own session with its output in a log file; with `cpus`,
+    it and every process it starts run on those CPUs only."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path):
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path,
+                 cpus: set[int] | None = None):
         self.name = name
         self.log_path = log_path
+        self.cpus = cpus
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         self.process = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=pin)
         self.pid = self.process.pid
 
     def alive(self) -> bool:
@@ -239,7 +243,10 @@ class VllmServer(Process):
                *extra_args, "--host", self.address, "--port", str(self.port)]
         if host is not None:
             cmd = host.command(cmd)
-        super().__init__(f"vllm serve {name}", cmd, env, workdir / f"vllm-{log_name or name}.log")
+        # Every process of the engine (API server, EngineCore, workers) on its core: the
+        # other engine's, however busy, never runs there (vLLM pins only the workers).
+        super().__init__(f"vllm serve {name}", cmd, env, workdir / f"vllm-{log_name or name}.log",
+                         cpus={cpu} if cpu < (os.cpu_count() or 1) else None)
 
     @property
     def url(self) -> str:

@@ -64,6 +64,15 @@ class EngineSpec:
     # Microseconds NIXL's progress thread sleeps between polls (None: NIXL's own 0, a
     # busy loop worth one core per engine; see connector/glue/nixl_progress.py).
     nixl_progress_delay_us: int | None = field(default_factory=lambda: progress_delay_from_env())
+    # Driven by a real vLLM scheduler in the parent (harness.core): the process steps only
+    # when told (`model_step`), hosts no scheduler-role connector, and runs harness.model.
+    driven: bool = False
+    # Seed of the NIXL fault layer (harness.fault_agent) installed under the worker; None: none.
+    faults_seed: int | None = None
+    prefix_caching: bool = True
+    kv_load_failure_policy: str | None = None  # None: vLLM's default ("fail")
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -126,17 +135,29 @@ def build_vllm_config(spec: EngineSpec) -> Any:
     model_dir = write_model_dir(Path(spec.workdir), spec.num_layers, spec.num_kv_heads, spec.head_dim)
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
                         max_model_len=2048, enforce_eager=True)
-    cache = CacheConfig(block_size=spec.block_size)
+    cache = CacheConfig(block_size=spec.block_size, enable_prefix_caching=spec.prefix_caching)
     cache.kv_cache_layout = "LBHNC"  # the only layout of the CPU attention backend
     name, module_path = connector_settings(spec)
     kv = KVTransferConfig(kv_connector=name, kv_connector_module_path=module_path,
                           kv_role=spec.kv_role, engine_id=spec.engine_id,
-                          kv_buffer_device="cpu", kv_connector_extra_config=dict(spec.extra_config))
+                          kv_buffer_device="cpu", kv_connector_extra_config=dict(spec.extra_config),
+                          **({"kv_load_failure_policy": spec.kv_load_failure_policy}
+                             if spec.kv_load_failure_policy else {}))
     parallel = ParallelConfig(tensor_parallel_size=spec.tp_size,
                               pipeline_parallel_size=spec.pp_size)
     parallel.rank = spec.rank  # vLLM's worker sets it; PP layer ranges are derived from it
-    return VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=kv,
-                      device_config=DeviceConfig("cpu"), parallel_config=parallel)
+    extra: dict[str, Any] = {}
+    if spec.max_num_seqs or spec.max_num_batched_tokens:
+        from vllm.config import SchedulerConfig
+
+        limits = {k: v for k, v in (("max_num_seqs", spec.max_num_seqs),
+                                    ("max_num_batched_tokens", spec.max_num_batched_tokens)) if v}
+        extra["scheduler_config"] = SchedulerConfig(max_model_len=model.max_model_len,
+                                                    is_encoder_decoder=False, **limits)
+    config = VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=kv,
+                        device_config=DeviceConfig("cpu"), parallel_config=parallel, **extra)
+    config.cache_config.num_gpu_blocks = spec.num_blocks  # (what vLLM sizes from memory)
+    return config
 
 
 def build_kv_cache_config(spec: EngineSpec) -> Any:

@@ -69,6 +69,23 @@ def _descriptor_count(descs: Any) -> int:
     return int(rows[:, 4].sum()) if rows.ndim == 2 and rows.shape[1] == 5 else len(rows)
 
 
+def install_fault_agent(worker: Any, seed: int) -> Any:
+    """Put the harness's fault layer between the worker and its NIXL agent (under the
+    fork's probe, so the probe sees what the 'network' delivers)."""
+    from harness.fault_agent import FaultyAgent
+
+    wrapper = worker.nixl_wrapper
+    inner = wrapper.__dict__.get("_agent")
+    if inner is None:  # stock: vLLM's agent itself
+        worker.nixl_wrapper = faulty = FaultyAgent(wrapper, seed)
+        return faulty
+    faulty = FaultyAgent(inner, seed)
+    object.__setattr__(wrapper, "_agent", faulty)
+    for name in ("transfer", "check_xfer_state", "release_xfer_handle"):  # (cached bindings)
+        wrapper.__dict__.pop(name, None)
+    return faulty
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -108,10 +125,14 @@ class Engine(FaultCommands, InstrumentCommands):
         finally:
             # vLLM's CPU worker pins the whole process to one core: undo it.
             os.sched_setaffinity(0, affinity)
-        # Like vLLM, only one scheduler (here: rank 0's process) hosts the side channel.
+        # Like vLLM, only one scheduler (here: rank 0's process) hosts the side channel;
+        # a driven engine's scheduler (with its connector) lives in harness.core.
         self.scheduler_connector = (cls(self.vllm_config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
-                                    if spec.rank == 0 else None)
+                                    if spec.rank == 0 and not spec.driven else None)
         self.worker = self.worker_connector.connector_worker
+        self.fault_agent = None
+        if spec.faults_seed is not None:
+            self.fault_agent = install_fault_agent(self.worker, spec.faults_seed + spec.rank)
         self.caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
         for cache in self.caches.values():
             cache.fill_(SENTINEL)
@@ -119,8 +140,15 @@ class Engine(FaultCommands, InstrumentCommands):
         self.nixl_log = NixlCallLog(self.worker.nixl_wrapper)
         self.worker.nixl_wrapper = self.nixl_log
         self.handshake_payload = self.worker_connector.get_handshake_metadata()
-        if spec.world_size == 1:
+        if spec.world_size == 1 and not spec.driven:
             self.cmd_serve_metadata({(0, 0): self.handshake_payload})
+        self.model = None
+        if spec.driven:
+            from harness.model import ModelRunner
+
+            self.model = ModelRunner(self.caches, block_size=spec.block_size,
+                                     total_heads=spec.num_kv_heads, tp_rank=spec.tp_rank,
+                                     layer_offset=spec.layer_range()[0], role=spec.kv_role)
 
         self.pending_meta = self._new_meta()
         self.stats: list[dict[str, Any]] = []
@@ -168,6 +196,60 @@ class Engine(FaultCommands, InstrumentCommands):
         if stats is not None:
             self.stats.append(stats.to_dict())
         return bool(stats is not None or results.finished_recving or results.finished_sending)
+
+    def cmd_model_step(self, so: Any) -> dict[str, Any]:
+        """One step of a driven engine, in vLLM's model-runner order: check what finished,
+        bind the metadata, run the model, start the step's loads, collect the results."""
+        conn, model = self.worker_connector, self.model
+        assert model is not None, "not a driven engine"
+        model.before(so)
+        conn.bind_connector_metadata(so.kv_connector_metadata)
+        sampled = model.run(so)
+        conn.start_load_kv(None)
+        conn.wait_for_save()
+        results = conn.get_transfer_results(so.finished_req_ids)
+        invalid = conn.get_block_ids_with_load_errors()
+        stats = conn.get_kv_connector_stats()
+        conn.clear_connector_metadata()
+        return {"sampled": sampled, "finished_sending": set(results.finished_sending),
+                "finished_recving": set(results.finished_recving),
+                "failed_recving": set(results.failed_recving), "invalid": set(invalid or ()),
+                "stats": stats, "checks": model.take_checks()}
+
+    def cmd_push_state(self) -> dict[str, Any]:
+        """What the worker still holds: the push-state owners' counts and vLLM's maps."""
+        w = self.worker
+        out: dict[str, Any] = {name: len(getattr(w, name)) for name in (
+            "_reqs_to_send", "_reqs_to_process", "_recving_metadata", "_push_finished_blocks",
+            "_pending_d_registrations", "_sending_transfers") if hasattr(w, name)}
+        for owner in ("_leases", "_receives", "_peers"):
+            table = getattr(w, owner, None)
+            if table is not None:
+                out[owner] = table.snapshot()
+        return out
+
+    def cmd_faults(self, notif_faults: dict[str, dict[str, Any]]) -> None:
+        from harness.fault_agent import NotifFaults
+
+        assert self.fault_agent is not None, "engine started without faults_seed"
+        self.fault_agent.set_notif_faults({k: NotifFaults(**v) for k, v in notif_faults.items()})
+
+    def cmd_partition(self, seconds: float, deliver_fraction: float = 0.5) -> None:
+        assert self.fault_agent is not None, "engine started without faults_seed"
+        self.fault_agent.partition(seconds, deliver_fraction)
+
+    def cmd_slow_writes(self, window_s: float, delay_s: float) -> None:
+        assert self.fault_agent is not None, "engine started without faults_seed"
+        self.fault_agent.slow_writes(window_s, delay_s)
+
+    def cmd_stall_writer(self, seconds: float) -> None:
+        assert self.fault_agent is not None, "engine started without faults_seed"
+        self.fault_agent.stall_writer(seconds)
+
+    def cmd_fault_counts(self) -> dict[str, Any]:
+        import dataclasses
+
+        return dataclasses.asdict(self.fault_agent.counts) if self.fault_agent is not None else {}
 
     # ---------------------------------------------------------------- commands
     def cmd_info(self) -> dict[str, Any]:
@@ -457,7 +539,7 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
                     conn.send(("ok", getattr(engine, f"cmd_{name}")(*args)))
                 except Exception as exc:
                     conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-            if engine.step():
+            if not spec.driven and engine.step():
                 last_activity = time.perf_counter()
     finally:
         engine.shutdown()

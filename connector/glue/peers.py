@@ -72,6 +72,7 @@ class PeerFlow(Flow):
         # D gives up receives bound to a dropped P silent this long.
         self._unreachable_after_s = lease + max(1.0, lease // 6)
         self._probe_quiet_s = max(1.0, lease / 3)
+        self._resend_after_s = float(extra("push_reg_resend_s", max(1.0, lease / 2)))
         self._tended_at = 0.0
         self._idle_stop = threading.Event()
         if self._kv_role != "kv_consumer":
@@ -174,6 +175,11 @@ class PeerFlow(Flow):
             self._failed_recv_reqs.put(req_id)
         if now - self._tended_at >= TEND_INTERVAL_S:
             self._tended_at = now
+            resend = self._receives.due_resend(now, self._resend_after_s)
+            for req_id, reg in resend:  # D: PUSH_REGs whose KV has not come, again
+                self._reg_send_inbox.put((req_id, reg))
+            if resend:
+                self._push_writer_wake.set()
             self._probe_silent_prefills(now)
             self._forget_silent_peers(now)
             self._evict_stale_engines_here()

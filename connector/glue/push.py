@@ -185,13 +185,13 @@ class PushFlow(Flow):
                                   time.perf_counter())
 
     def _refuse(self, reg: dict[str, Any], refusal: Refusal, notif: bytes) -> None:
-        """A PUSH_REG P will not WRITE for: counted, logged, and (unless it is a
-        duplicate of one being handled) its decoder told."""
+        """A PUSH_REG P will not WRITE for: counted, logged, and its decoder told
+        (unless it repeats one being handled or done)."""
         if refusal.rejection is not None:
             self._reject_push_reg(refusal.rejection,
                                   f"request {peer_str(reg.get('request_id', ''))}: {refusal.detail}",
                                   notif)
-        if refusal.rejection is not PushRegRejection.DUPLICATE:
+        if refusal.answer:
             self._leases.owe(reg, refusal.reason)
 
     def _start_early_handshake(self, reg: dict[str, Any]) -> None:

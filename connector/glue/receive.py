@@ -102,7 +102,8 @@ class ReceiveFlow(Flow):
 
     # ------------------------------------------------------------- PUSH_REG out
     def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
-        if not self._receives.begin_send(req_id):
+        send = self._receives.begin_send(req_id)
+        if not send:
             return  # given up or failed here meanwhile: nothing to send
         # Tell P we understand PUSH_FAIL; a stock P ignores the key. The copy is ours
         # from here on (vLLM re-queues this very dict after a handshake, the key
@@ -110,7 +111,7 @@ class ReceiveFlow(Flow):
         if PUSH_REG_CAPS_KEY not in reg_data:
             reg_data = {**reg_data, PUSH_REG_CAPS_KEY: OUR_CAPS}
         span = None
-        if self._spans.enabled:
+        if self._spans.enabled and send == 1:  # (a PUSH_REG sent again opens no new span)
             try:
                 span = self._open_register_span(req_id, reg_data)
             except Exception as exc:

@@ -210,15 +210,14 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """The step's defined point for the push state (engine main thread), in order:
         PUSH_FAILs received and peers tended (receives that fail now are queued for
-        vLLM's step); overdue WRITEs aborted; vLLM's step, whose reaper releases what
-        the lease ledger released; then WRITEs settled and the results accounted."""
+        vLLM's step); vLLM's step, whose reaper releases what the lease ledger released
+        and which polls the WRITEs; then WRITEs settled, overdue ones aborted, and the
+        results accounted."""
         if self._pending_completion_notifs.push_fails:  # rare: D was told a push will not come
             self._take_push_fail_notifs()  # before vLLM drains its failed receives
         if self._peers.need_tending or self._receives.abandoned or self._receives or \
                 time.perf_counter() - self._tended_at >= 1.0:
             self._tend_peers()  # before vLLM reports the receives it fails
-        if self._leases.writing or self._leases:
-            self._abort_overdue_writes()
         clock = self._receive_clock
         expired = clock.waiting and time.monotonic() >= clock.next_expiry
         if expired:
@@ -232,6 +231,9 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
                 if not settled.pushed:
                     self._mark_push_failed(settled.req_id, "push_failed",
                                            (settled.failure or PushFailReason.PUSH_FAILED).value)
+        if len(self._leases):
+            # After vLLM polled this step's WRITEs: a handle still open is not done.
+            self._abort_overdue_writes()
         if results.finished_sending or results.finished_recving or expired:
             try:
                 self._account_results(results)
@@ -264,6 +266,8 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
                 errors.note(TelemetryError.STATS, exc)
             if not kept:
                 self._leases.aborted(req_id)
+                self._mark_push_failed(req_id, "write_timeout",
+                                       "the WRITE did not settle within push_write_timeout_s")
 
     # ------------------------------------------------------------- failures
     def _log_failure(self, failure_type: str, req_id: str | None, msg: str = "",

@@ -85,6 +85,7 @@ class Refusal:
     rejection: PushRegRejection | None
     reason: PushFailReason
     detail: str
+    answer: bool = True  # tell the decoder (a duplicate of one being handled: no)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +122,9 @@ class LeaseLedger:
         self._by_key: dict[str, set[str]] = {}  # any key -> live P request ids
         self._prefilling: dict[str, tuple[str, ...]] = {}  # in the batch, not finished
         # D request id -> what became of its PUSH_REG ("pending", "claimed", "pushed",
-        # "failed", "refused"): duplicates are recognised, not acted on twice.
-        self._registrations: OrderedDict[str, str] = OrderedDict()
+        # "failed", "refused") and, for the last two, what its decoder was told: a
+        # duplicate (or a decoder sending it again) is recognised, not acted on twice.
+        self._registrations: OrderedDict[str, tuple[str, PushFailReason | None]] = OrderedDict()
         self._pending_bases: dict[str, str] = {}  # base id -> the D request waiting on it
         self._ended_keys: OrderedDict[str, bool] = OrderedDict()  # key -> released (True) / pushed
         self._owed: list[tuple[dict[str, Any], PushFailReason]] = []
@@ -364,17 +366,20 @@ class LeaseLedger:
         with self._lock:
             seen = self._registrations.get(d_request_id)
             if seen is not None:
-                return Refusal(PushRegRejection.DUPLICATE, PushFailReason.LEASE_EXPIRED,
-                               f"registered already ({seen})")
+                status, told = seen
+                # Refused or failed before: the decoder may have missed the answer (it
+                # sends its PUSH_REG again while it waits), so it is told again.
+                return Refusal(PushRegRejection.DUPLICATE, told or PushFailReason.LEASE_EXPIRED,
+                               f"registered already ({status})", answer=told is not None)
             waiting = self._pending_bases.get(base)
             live = self._live_ids(base)
             if (waiting is not None and waiting != d_request_id) or len(live) > 1:
-                self._note_registration(d_request_id, "refused")
+                self._note_registration(d_request_id, "refused", PushFailReason.AMBIGUOUS)
                 return Refusal(PushRegRejection.AMBIGUOUS, PushFailReason.AMBIGUOUS,
                                f"{len(live)} live prefill request(s) and "
                                f"{int(waiting is not None)} other registration share its id")
             if not live and self._ended_keys.get(base):
-                self._note_registration(d_request_id, "refused")
+                self._note_registration(d_request_id, "refused", PushFailReason.LEASE_EXPIRED)
                 return Refusal(PushRegRejection.AFTER_LEASE, PushFailReason.LEASE_EXPIRED,
                                "this prefill's KV lease for it ended before the PUSH_REG arrived")
             self._note_registration(d_request_id, "pending")
@@ -404,7 +409,7 @@ class LeaseLedger:
                 refusal = Refusal(PushRegRejection.PROMPT_MISMATCH, PushFailReason.PROMPT_MISMATCH,
                                   "its prompt differs from the prefill request of that id")
             if refusal is not None:
-                self._note_registration(d_id, "refused")
+                self._note_registration(d_id, "refused", refusal.reason)
                 return refusal
             assert lease is not None
             if lease.deadline <= now:
@@ -481,7 +486,7 @@ class LeaseLedger:
     def owe(self, reg: dict[str, Any], reason: PushFailReason) -> None:
         """A PUSH_FAIL for a registration P never claimed (refused, unmatched)."""
         with self._lock:
-            self._note_registration(reg.get("request_id", ""), "refused")
+            self._note_registration(reg.get("request_id", ""), "refused", reason)
             self._owed.append((reg, reason))
 
     def owe_after_reset(self, engine_id: str, reg: dict[str, Any], reason: PushFailReason) -> None:
@@ -505,7 +510,7 @@ class LeaseLedger:
             base = self._base_of(d_request_id)
             if self._pending_bases.get(base) == d_request_id:
                 del self._pending_bases[base]
-            self._note_registration(d_request_id, "refused")
+            self._note_registration(d_request_id, "refused", PushFailReason.NO_PREFILL)
 
     # ------------------------------------------------------------ any thread
     def begin_drop(self, engine_id: str) -> bool:
@@ -569,7 +574,7 @@ class LeaseLedger:
         lease.state = LeaseState.FAILED
         lease.failure = reason
         if lease.d_request_id is not None:
-            self._registrations[lease.d_request_id] = "failed"
+            self._registrations[lease.d_request_id] = ("failed", reason)
         if lease.reg is not None:
             self._owed.append((lease.reg, reason))
 
@@ -578,7 +583,7 @@ class LeaseLedger:
             self._writes -= 1
         lease.state = state
         if lease.d_request_id is not None and state is LeaseState.PUSHED:
-            self._registrations[lease.d_request_id] = "pushed"
+            self._registrations[lease.d_request_id] = ("pushed", None)
         self._unindex(lease.req_id, lease.keys)
         for key in lease.keys[1:]:
             self._ended_keys[key] = state is LeaseState.RELEASED
@@ -594,8 +599,9 @@ class LeaseLedger:
                 if not ids:
                     del self._by_key[key]
 
-    def _note_registration(self, d_request_id: str, what: str) -> None:
-        self._registrations[d_request_id] = what
+    def _note_registration(self, d_request_id: str, what: str,
+                           told: PushFailReason | None = None) -> None:
+        self._registrations[d_request_id] = (what, told)
         self._registrations.move_to_end(d_request_id)
         while len(self._registrations) > self._limit:
             self._registrations.popitem(last=False)

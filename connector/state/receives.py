@@ -49,7 +49,8 @@ class Receive:
     state: ReceiveState = ReceiveState.QUEUED
     agents: frozenset[str] = frozenset()
     reg: dict[str, Any] | None = None
-    last_want: float = 0.0  # monotonic: PUSH_REG sent, or last heartbeat naming it
+    last_want: float = 0.0  # PUSH_REG sent, or last heartbeat naming it
+    sent_at: float = 0.0  # the PUSH_REG last reached P
     safe_at: float = 0.0  # monotonic, while ABANDONED
     abandon: ReceiveAbandon | None = None
     failure: ReceiveFailure | None = None
@@ -206,6 +207,18 @@ class ReceiveLedger:
                     return reg["remote_host"], reg["remote_port"]
             return None
 
+    def due_resend(self, now: float, every_s: float) -> list[tuple[str, dict[str, Any]]]:
+        """Registered receives whose KV has not come `every_s` after their PUSH_REG last
+        left: it is sent again (a notification can be lost; P drops a repeat of one it
+        has, and answers again one it refused)."""
+        with self._lock:
+            out = []
+            for rec in self._receives.values():
+                if rec.state is ReceiveState.REGISTERED and rec.reg and now - rec.sent_at >= every_s:
+                    rec.sent_at = now
+                    out.append((rec.req_id, rec.reg))
+            return out
+
     def take_undelivered(self, engine_id: str) -> list[tuple[str, dict[str, Any]]]:
         """Main, once reconnected: PUSH_REGs that reached no agent, to send again."""
         with self._lock:
@@ -217,18 +230,18 @@ class ReceiveLedger:
             return out
 
     # ----------------------------------------------------------- writer thread
-    def begin_send(self, req_id: str) -> bool:
-        """The writer is about to send this receive's PUSH_REG: False if it must not
-        (given up, or failing)."""
+    def begin_send(self, req_id: str) -> int:
+        """The writer is about to send this receive's PUSH_REG: 0 if it must not (given
+        up, or failing), 1 for its first send, 2 when it is sent again."""
         with self._lock:
             rec = self._receives.get(req_id)
             if rec is None:
-                return True  # (not started through us: vLLM's own path)
-            if rec.state in (ReceiveState.QUEUED, ReceiveState.UNDELIVERED, ReceiveState.SENDING,
-                             ReceiveState.REGISTERED):
+                return 1  # (not started through us: vLLM's own path)
+            if rec.state in _WAITING:
+                again = 2 if rec.sent_at else 1
                 rec.state = ReceiveState.SENDING
-                return True
-            return False
+                return again
+            return 0
 
     def sent(self, req_id: str, reg: dict[str, Any], agents: frozenset[str], reached: int,
              now: float) -> bool:
@@ -242,6 +255,7 @@ class ReceiveLedger:
             if reached > 0:
                 rec.agents = rec.agents | agents
                 rec.last_want = max(rec.last_want, now)
+                rec.sent_at = now
                 if rec.state is ReceiveState.SENDING:
                     rec.state = ReceiveState.REGISTERED
                 elif rec.state is ReceiveState.ABANDONED:
