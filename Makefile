@@ -33,6 +33,8 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
 export PYTHONDONTWRITEBYTECODE := 1
 
+
+.PHONY: chaos
 .PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak faults load clean venv-vllm033 venv-vllm033-deps test-vllm033 \
   venv-vllm034 venv-vllm034-deps test-vllm034
 
@@ -143,6 +145,14 @@ test-vllm033: venv-vllm033 system-deps
 test-vllm034: venv-vllm034 system-deps
 	VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= VLLM_CACHE_ROOT=$(CURDIR)/.cache/vllm034 \
 	  $(PY034) -m pytest -q -p no:cacheprovider $(LANE034_SKIP) $(PYTEST_ARGS)
+
+# The fault campaign (harness/campaign): CHAOS_SEEDS seeds x CHAOS_REQUESTS requests through
+# vLLM's real scheduler and fork workers with real NIXL, under seeded faults, every KV byte
+# checked; progress on the console, the summary in .cache/chaos/summary.json.
+CHAOS_SEEDS ?= 22
+CHAOS_REQUESTS ?= 250
+chaos: setup
+	$(PY) -m harness.campaign --seeds $(CHAOS_SEEDS) --requests $(CHAOS_REQUESTS)
 
 # Opt-in soak on real `vllm serve` beside a CPU hog: SOAK_WAVES x SOAK_WAVE_SIZE concurrent requests.
 soak: setup

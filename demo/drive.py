@@ -15,6 +15,8 @@ import json
 import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -247,6 +249,56 @@ class KeepStepping:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class CpuHog:
+    """A process burning one CPU for the block (a noisy neighbour on an engine's core):
+    started pinned to `cpu`, stopped by pid on leaving."""
+
+    def __init__(self, cpu: int):
+        self.cpu = cpu
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> CpuHog:
+        self.process = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                        preexec_fn=lambda: os.sched_setaffinity(0, {self.cpu}))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+class StockStylePair:
+    """One request as a router that passes the client's id on as the transfer id sends
+    it: both legs at once, both named `request_id`, on threads; `.join()` -> Outcome."""
+
+    def __init__(self, prefill_url: str, decode_url: str, prefill: PrefillTarget, prompt: list[int],
+                 request_id: str, max_tokens: int):
+        self.outcome = Outcome(request_id, prompt, "")
+        self._p = threading.Thread(target=self._prefill, args=(prefill_url, prompt, request_id),
+                                   daemon=True)
+        self._d = threading.Thread(target=self._decode, daemon=True,
+                                   args=(decode_url, prefill, prompt, request_id, max_tokens))
+        self._p.start()
+        self._d.start()
+
+    def _prefill(self, url: str, prompt: list[int], request_id: str) -> None:
+        with contextlib.suppress(Exception):  # (its answer is not the client's)
+            prefill_leg(url, prompt, request_id)
+
+    def _decode(self, url: str, prefill: PrefillTarget, prompt: list[int], request_id: str,
+                max_tokens: int) -> None:
+        try:
+            self.outcome.tokens = decode_leg(url, prefill, prompt, request_id, max_tokens)
+        except Exception as exc:  # reported, not raised
+            self.outcome.error = f"{type(exc).__name__}: {exc}"
+
+    def join(self) -> Outcome:
+        self._d.join()
+        self._p.join(60)
+        return self.outcome
 
 
 def concurrently(router_url: str, prompts: list[list[int]], *, prefix: str, max_tokens: int,

@@ -71,6 +71,8 @@ class EngineSpec:
     faults_seed: int | None = None
     prefix_caching: bool = True
     kv_load_failure_policy: str | None = None  # None: vLLM's default ("fail")
+    # A deliberate defect patched in before the worker is built (harness.mutants; tests only).
+    mutant: str | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
 

@@ -148,7 +148,8 @@ class Engine(FaultCommands, InstrumentCommands):
 
             self.model = ModelRunner(self.caches, block_size=spec.block_size,
                                      total_heads=spec.num_kv_heads, tp_rank=spec.tp_rank,
-                                     layer_offset=spec.layer_range()[0], role=spec.kv_role)
+                                     layer_offset=spec.layer_range()[0], role=spec.kv_role,
+                                     initial_fill=SENTINEL)
 
         self.pending_meta = self._new_meta()
         self.stats: list[dict[str, Any]] = []
@@ -501,6 +502,10 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(line_buffering=True)
     try:
+        if spec.mutant:
+            from harness.mutants import apply
+
+            apply(spec.mutant)
         if spec.tracing == "memory":
             from harness.spans import install_memory_tracer
 

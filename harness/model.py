@@ -46,7 +46,9 @@ class Check:
     req_id: str
     when: str  # "landed" | "finished"
     positions: int
-    wrong_positions: list[int] = field(default_factory=list)
+    wrong_positions: list[int] = field(default_factory=list)  # the first few
+    wrong: int = 0  # how many positions were wrong
+    unwritten: int = 0  # of those, how many still hold what no one wrote (the initial fill)
 
     @property
     def ok(self) -> bool:
@@ -63,8 +65,9 @@ class ModelRunner:
     [blocks, local heads, block size, 2 * head dim])."""
 
     def __init__(self, caches: dict[str, Any], *, block_size: int, total_heads: int, tp_rank: int,
-                 layer_offset: int, role: str):
+                 layer_offset: int, role: str, initial_fill: float = 7.0):
         self.caches = caches
+        self.initial_fill = initial_fill
         self.layers = sorted(caches)
         self.block_size = block_size
         first = next(iter(caches.values()))
@@ -148,20 +151,22 @@ class ModelRunner:
     def _check(self, req_id: str, req: _Req, when: str, upto: int) -> None:
         if upto <= 0 or not req.blocks:
             return
-        wrong: list[int] = []
+        wrong: set[int] = set()
+        unwritten: set[int] = set()
         expected = self._slot_values(req, 0, upto)
         for b in range((upto + self.block_size - 1) // self.block_size):
             if b >= len(req.blocks):
-                wrong.extend(range(b * self.block_size, upto))
+                wrong.update(range(b * self.block_size, upto))
                 break
             lo, hi = b * self.block_size, min(upto, (b + 1) * self.block_size)
             for li, name in enumerate(self.layers):
                 have = self.caches[name][req.blocks[b], :, :hi - lo].numpy()
                 bad = np.nonzero(~(have == expected[li, :, lo:hi]).all(axis=(0, 2)))[0]
-                if bad.size:
-                    wrong.extend(int(lo + x) for x in bad)
-                    break
-        self.checks.append(Check(req_id, when, upto, sorted(set(wrong))[:16]))
+                wrong.update(int(lo + x) for x in bad)
+                blank = np.nonzero((have == self.initial_fill).all(axis=(0, 2)))[0]
+                unwritten.update(int(lo + x) for x in blank)
+        self.checks.append(Check(req_id, when, upto, sorted(wrong)[:16], len(wrong),
+                                 len(wrong & unwritten)))
 
     def take_checks(self) -> list[Check]:
         out, self.checks = self.checks, []

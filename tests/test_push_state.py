@@ -303,6 +303,19 @@ def test_a_registered_receive_given_up_fails_only_after_its_hold():
     assert receives.over("d1") is ReceiveFailure.ABANDONED
 
 
+def test_a_push_reg_still_queued_when_its_receive_ended_never_leaves():
+    """Found by the campaign (seed 2): the client went away while D's writer was stalled;
+    the receive failed at once (its PUSH_REG had not left) and vLLM gave its blocks to the
+    next request; then the writer woke and sent the stale PUSH_REG, and P wrote into
+    those blocks."""
+    receives = ReceiveLedger(hold_s=40.0)
+    receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
+    assert receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=1.0)
+    receives.over("d1")  # vLLM reported it failed: its blocks are free
+    assert not receives.begin_send("d1")
+    assert not receives.begin_send("never-started")
+
+
 def test_a_given_up_receive_whose_push_reg_reached_nobody_fails_at_once():
     receives = ReceiveLedger(hold_s=40.0)
     receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)

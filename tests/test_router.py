@@ -100,15 +100,29 @@ def test_both_legs_in_flight_at_once_with_shared_ids_and_p_coordinates(deploy):
     assert {n for e, n in events[:first_answer] if e == "arrive"} == {"P0", "D0"}
     p = dep.journal.requests["P0"][0]
     d = dep.journal.requests["D0"][0]
-    assert p["headers"]["x-request-id"] == d["headers"]["x-request-id"] == "req-42"
+    # The legs carry a transfer id of the router's own, not the client's X-Request-Id.
+    tid = p["headers"]["x-request-id"]
+    assert tid.startswith("router-") and tid != "req-42"
+    assert d["headers"]["x-request-id"] == tid
     assert p["body"]["max_tokens"] == 1 and p["body"]["prompt"] == BODY["prompt"]
     assert p["body"]["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
-                                               "transfer_id": "req-42"}
+                                               "transfer_id": tid}
     assert d["body"]["max_tokens"] == 3
     assert d["body"]["kv_transfer_params"] == {
         "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-0",
         "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1, "pp_size": 1,
-        "remote_request_id": "req-42", "transfer_id": "req-42"}
+        "remote_request_id": tid, "transfer_id": tid}
+
+
+def test_requests_reusing_one_client_id_get_transfer_ids_of_their_own(deploy):
+    """Retries with one idempotency key, gateways copying a trace id: the client's id
+    may repeat; the engines never see it repeat."""
+    dep = deploy(["ok"], ["ok"])
+    for _ in range(3):
+        assert dep.post(BODY, {"X-Request-Id": "same-client-id"}).status_code == 200
+    p_ids = [r["headers"]["x-request-id"] for r in dep.journal.requests["P0"]]
+    d_ids = [r["body"]["kv_transfer_params"]["transfer_id"] for r in dep.journal.requests["D0"]]
+    assert len(set(p_ids)) == 3 and sorted(p_ids) == sorted(d_ids)
 
 
 def test_router_generates_a_request_id_when_the_client_sends_none(deploy):

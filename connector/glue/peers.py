@@ -135,18 +135,18 @@ class PeerFlow(Flow):
         reached = max(0, len(agents) - failed)
         if self._receives.sent(req_id, reg_data, frozenset(agents.values()), reached,
                                time.perf_counter()):
-            self._failed_recv_reqs.put(req_id)  # given up, and P never got it: fail now
+            self._failed_recv_reqs.decided(req_id)  # given up, and P never got it: fail now
 
     def _fail_receive(self, req_id: str, reason: ReceiveFailure) -> None:
         if self._receives.fail(req_id, reason):
-            self._failed_recv_reqs.put(req_id)
+            self._failed_recv_reqs.decided(req_id)
 
     def _give_up_receive(self, req_id: str, why: ReceiveAbandon) -> None:
         if self._receives.state_of(req_id) is None:
             return
         self._safe(self.xfer_stats.record_receive_abandoned, why.value)
         if self._receives.give_up(req_id, why, time.perf_counter()):
-            self._failed_recv_reqs.put(req_id)  # its PUSH_REG never left: nothing can land
+            self._failed_recv_reqs.decided(req_id)  # its PUSH_REG never left: nothing can land
 
     # ------------------------------------------------------------------- P side
     def _push_broke(self, request_id: str, why: Any = None) -> None:
@@ -172,7 +172,7 @@ class PeerFlow(Flow):
         for req_id, why in self._receives.due(now):
             logger.warning("Request %s: failing its KV load (given up: %s); no WRITE into its "
                            "blocks can come any more", req_id, why.value)
-            self._failed_recv_reqs.put(req_id)
+            self._failed_recv_reqs.decided(req_id)
         if now - self._tended_at >= TEND_INTERVAL_S:
             self._tended_at = now
             resend = self._receives.due_resend(now, self._resend_after_s)

@@ -35,6 +35,7 @@ from connector.vocabulary import (
     Attr,
     LeaseFate,
     PushFailReason,
+    ReceiveAbandon,
     ReceiveFailure,
     SpanEvent,
     TelemetryError,
@@ -64,6 +65,31 @@ class NotifInbox(queue.Queue):
         super().put(item, block, timeout)
 
 
+class FailedReceives(queue.Queue):
+    """vLLM's queue of receives to fail (drained on the main thread), with a gate on
+    vLLM's own puts: vLLM fails a receive at once when a handshake for its PUSH_REG
+    fails or P has no agent left, which is right for a first PUSH_REG that never left,
+    and wrong for one sent again after the first reached P (P may still WRITE into the
+    blocks). `gate(req_id)` says whether vLLM's put may stand (the caller gives the
+    receive up instead when not); the fork's own decided failures use `decided`."""
+
+    def __init__(self, gate: Any) -> None:
+        super().__init__()
+        self._gate = gate
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        try:
+            allowed = self._gate(item)
+        except Exception as exc:  # (a fault here must not lose the failure)
+            errors.note(TelemetryError.STATS, exc)
+            allowed = True
+        if allowed:
+            super().put(item, block, timeout)
+
+    def decided(self, item: Any) -> None:
+        super().put(item)
+
+
 class ReceiveFlow(Flow):
     """Mixin for `NixlPushConnectorWorker`: the decode side of a push."""
 
@@ -75,6 +101,19 @@ class ReceiveFlow(Flow):
         while not old.empty():  # (defensive: carry over anything already queued)
             inbox.put(old.get_nowait())
         self._pending_completion_notifs = inbox
+        failed = FailedReceives(self._vllm_may_fail)
+        old_failed = self._failed_recv_reqs
+        while not old_failed.empty():
+            failed.decided(old_failed.get_nowait())
+        self._failed_recv_reqs = failed
+
+    def _vllm_may_fail(self, req_id: str) -> bool:
+        """vLLM fails this receive now: fine unless its PUSH_REG reached P before (a
+        resend's handshake failed); then it is given up, to fail at its safe point."""
+        if not self._receives.reached_prefill(req_id):
+            return True
+        self._give_up_receive(req_id, ReceiveAbandon.PEER_UNREACHABLE)
+        return False
 
     def _start_receives(self, registrations: dict[str, dict[str, Any]]) -> None:
         self._receives.start(registrations, time.perf_counter())

@@ -90,6 +90,9 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
         self._finished_trace_contexts: dict[str, dict[str, str]] = {}
         self._finished_digests: dict[str, str] = {}
         self._given_up: list[str] = []
+        # D: requests given up whose receive the worker has not reported yet: the engine
+        # keeps stepping for them (an idle engine would never free their blocks).
+        self._given_up_open: set[str] = set()
         # D: request id -> when it arrived, while vLLM heartbeats P for it (arrival order).
         self._waiting_since: dict[str, float] = {}
         self._waiting_reported_at = 0.0
@@ -169,6 +172,7 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
         result = super().request_finished(request, block_ids)
         if waiting:
             self._given_up.append(request.request_id)
+            self._given_up_open.add(request.request_id)
         if request.request_id in self._newly_finished_push_blocks:
             digest = request_digest(request)
             if digest is not None:
@@ -181,6 +185,14 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
                 except Exception:
                     logger.debug("request trace context dropped", exc_info=True)
         return result
+
+    def has_pending_push_work(self) -> bool:
+        return super().has_pending_push_work() or bool(self._given_up_open)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        if self._given_up_open:
+            self._given_up_open.difference_update(connector_output.finished_recving or ())
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)

@@ -72,10 +72,10 @@ class LegResult:
             return LegOutcome.OK
         return LegOutcome.CANCELLED if self.error.startswith(CANCELLED) else LegOutcome.FAILED
 
-    def failure(self) -> Response:
-        """The response the client gets for this failed leg (also logged: the client's
-        error body is all a user would otherwise have)."""
-        _LOG.warning("%s leg failed: %s", self.leg.value, self.error or f"HTTP {self.status}")
+    def failure(self, ids: str = "") -> Response:
+        """The response the client gets for this failed leg (also logged, with the
+        request's ids: the client's error body is all a user would otherwise have)."""
+        _LOG.warning("%s leg failed%s: %s", self.leg.value, ids, self.error or f"HTTP {self.status}")
         if self.error:
             return _error(503, f"{self.leg.value} leg unreachable: {self.error}", "upstream_unavailable")
         if 400 <= self.status < 500:
@@ -166,6 +166,7 @@ class _Exchange:
     d_resp: httpx.Response | None = None
     closed: bool = False
     notes: dict[str, Any] = field(default_factory=dict)
+    ids: str = ""  # " (request <client id>, transfer <id>)", for log lines
 
     def span(self, leg: RouterLeg) -> _Span:
         return self.p_leg if leg is RouterLeg.PREFILL else self.d_leg
@@ -231,17 +232,22 @@ class Router:
             rec.finish(RouterOutcome.BAD_REQUEST)
             return _error(400, str(exc), "invalid_request_error")
         prefill, decode_url = self.pick()
-        transfer_id = request_id
+        # Every request gets a transfer id of its own: the engines name (and P matches) the
+        # request by it. Clients and gateways reuse X-Request-Id (retries with one key, a
+        # copied trace id); used as the transfer id, two requests in flight would share it.
+        transfer_id = f"router-{uuid.uuid4().hex}"
         stream = bool(body.get("stream", False))
         rec.stream = stream
         if server.span is not None:
             server.span.set_attributes({RouterAttr.STREAM: stream, RouterAttr.TRANSFER_ID: transfer_id,
                                         RouterAttr.PREFILL_ENGINE_ID: prefill.engine_id})
         p_body = legs.prefill_body(body, route, transfer_id)
-        d_body = legs.decode_body(body, prefill, request_id, transfer_id)
+        d_body = legs.decode_body(body, prefill, transfer_id, transfer_id)
         ex = _Exchange(rec, server, self._leg_span(server, RouterLeg.PREFILL, prefill.url + route),
-                       self._leg_span(server, RouterLeg.DECODE, decode_url + route))
-        base = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+                       self._leg_span(server, RouterLeg.DECODE, decode_url + route),
+                       ids=f" (request {request_id[:128]}, transfer {transfer_id})")
+        # (vLLM 0.32 pairs the two legs by X-Request-Id; newer vLLM by the transfer id.)
+        base = {"X-Request-Id": transfer_id, "Content-Type": "application/json"}
         rec.leg_sent(RouterLeg.PREFILL, ex.p_leg.span)
         ex.p_task = asyncio.create_task(self._post(RouterLeg.PREFILL, prefill.url + route, p_body,
                                                    {**base, **ex.p_leg.headers(incoming)}))
@@ -290,7 +296,7 @@ class Router:
         if failed is not None:
             outcome = (RouterOutcome.PREFILL_FAILED if failed.leg is RouterLeg.PREFILL
                        else RouterOutcome.DECODE_FAILED)
-            response = failed.failure()
+            response = failed.failure(ex.ids)
             ex.server.end(response.status_code, outcome.value)
             ex.rec.finish(outcome)
             return response
@@ -364,7 +370,7 @@ class Router:
             ex.span(RouterLeg.PREFILL).end(p.status, p.error or "http_error")
             ex.rec.leg_done(RouterLeg.PREFILL, p.outcome())
             ex.cancel_leg(RouterLeg.DECODE, LegCancel.OTHER_LEG_FAILED)
-            response = p.failure()
+            response = p.failure(ex.ids)
             ex.server.end(response.status_code, RouterOutcome.PREFILL_FAILED.value)
             ex.rec.finish(RouterOutcome.PREFILL_FAILED)
             return response
@@ -375,7 +381,7 @@ class Router:
             d = LegResult(RouterLeg.DECODE, error=f"{type(exc).__name__}: {exc}")
             ex.cancel_leg(RouterLeg.PREFILL, LegCancel.OTHER_LEG_FAILED)
             ex.leg_result(d)
-            response = d.failure()
+            response = d.failure(ex.ids)
             ex.server.end(response.status_code, RouterOutcome.DECODE_FAILED.value)
             ex.rec.finish(RouterOutcome.DECODE_FAILED)
             return response
@@ -385,7 +391,7 @@ class Router:
             p_task.cancel()
             ex.cancel_leg(RouterLeg.PREFILL, LegCancel.OTHER_LEG_FAILED)
             ex.leg_result(d)
-            response = d.failure()
+            response = d.failure(ex.ids)
             ex.server.end(response.status_code, RouterOutcome.DECODE_FAILED.value)
             ex.rec.finish(RouterOutcome.DECODE_FAILED)
             return response

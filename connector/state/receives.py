@@ -65,6 +65,9 @@ class ReceiveLedger:
         self._limit = limit
         self._lock = threading.Lock()
         self._receives: OrderedDict[str, Receive] = OrderedDict()
+        # Receives vLLM reported over: a PUSH_REG of one still queued to the writer must
+        # not leave (its blocks may hold another request by now).
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._abandoned = 0
 
     def __len__(self) -> int:
@@ -172,11 +175,21 @@ class ReceiveLedger:
         """vLLM reported the receive finished (landed or failed): why we failed it."""
         with self._lock:
             rec = self._receives.pop(req_id, None)
+            self._ended[req_id] = None
+            while len(self._ended) > self._limit:
+                self._ended.popitem(last=False)
             if rec is None:
                 return None
             if rec.state is ReceiveState.ABANDONED:
                 self._abandoned -= 1
             return rec.failure
+
+    def reached_prefill(self, req_id: str) -> bool:
+        """Its PUSH_REG reached P at least once (and it is not over)."""
+        with self._lock:
+            rec = self._receives.get(req_id)
+            return rec is not None and rec.sent_at > 0 and rec.state not in (
+                ReceiveState.FAILING, ReceiveState.DONE)
 
     def registered_on(self, engine_id: str, agents: frozenset[str]) -> list[str]:
         """Receives whose PUSH_REG reached only these (now gone) agents of `engine_id`."""
@@ -236,7 +249,9 @@ class ReceiveLedger:
         with self._lock:
             rec = self._receives.get(req_id)
             if rec is None:
-                return 1  # (not started through us: vLLM's own path)
+                # Over already (its registration waited in the writer's queue while vLLM
+                # failed it and freed its blocks), or never started here: nothing to send.
+                return 0
             if rec.state in _WAITING:
                 again = 2 if rec.sent_at else 1
                 rec.state = ReceiveState.SENDING

@@ -79,14 +79,14 @@ class SeedResult:
 class SeedRun:
     """The engines and the client of one seed."""
 
-    def __init__(self, plan: Plan, workdir: Path):
+    def __init__(self, plan: Plan, workdir: Path, mutant: str | None = None):
         self.plan = plan
         self.work = workdir
         self.ctx = rank_context()
         run = secrets.token_hex(3)
         common = dict(num_layers=NUM_LAYERS, block_size=32, extra_config=dict(EXTRA_CONFIG),
                       workdir=str(workdir), prefix_caching=False, faults_seed=plan.seed,
-                      kv_load_failure_policy="recompute")
+                      kv_load_failure_policy="recompute", mutant=mutant)
         self.specs = {
             "P": EngineSpec(name="P", engine_id=f"prefill-{run}", kv_role="kv_producer",
                             side_channel_port=free_port(), tp_size=plan.p_tp, num_blocks=256, **common),
@@ -265,14 +265,15 @@ class SeedRun:
         return True
 
 
-def run_seed(plan: Plan, workdir: Path) -> SeedResult:
-    """Run one seed and judge it; engines stopped and scratch removed on the way out."""
+def run_seed(plan: Plan, workdir: Path, mutant: str | None = None) -> SeedResult:
+    """Run one seed and judge it; engines stopped and scratch removed on the way out.
+    `mutant`: a deliberate defect the engines run with (harness.mutants)."""
     result = SeedResult(plan.seed, plan.summary())
     started = time.monotonic()
     work = workdir / f"seed-{plan.seed}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    run = SeedRun(plan, work)
+    run = SeedRun(plan, work, mutant)
     try:
         phases = result.counters.setdefault("phase_seconds", {})
         t = time.monotonic()
@@ -315,7 +316,8 @@ def judge(run: SeedRun, result: SeedResult, bound_s: float, drained: bool) -> No
     result.checked_positions = sum(c.positions for c in checks)
     for c in checks:
         if not c.ok:
-            v.append(f"wrong KV bytes: {c.req_id} ({c.when}) at positions {c.wrong_positions}")
+            v.append(f"wrong KV bytes: {c.req_id} ({c.when}): {c.wrong} of {c.positions} positions "
+                     f"({c.unwritten} never written), first {c.wrong_positions}")
     landed = {c.req_id for c in checks if c.when == "landed"}
     result.outcomes["not_sent"] = run.not_sent
     for s in run.sent:

@@ -1,0 +1,81 @@
+"""The fault campaign in CI: a short fixed set of seeds, every KV byte checked.
+
+`make chaos` runs the long one (python -m harness.campaign); docs/reliability.md has its
+figures. Here: two seeds (TP 2 on the prefill side, TP 2 on the decode side, with
+partitions, slow WRITEs, stalls on and around the lease deadline, lost and repeated
+notifications, reused ids, client aborts and KV pressure as the seeds draw them); the
+campaign failing on a deliberate defect (so it can fail); and the one case a seed
+cannot be relied on to draw: a request aborted while it waits for its KV on an engine
+with nothing else to do.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import pytest
+
+from harness.campaign.plan import EXTRA_CONFIG, HOLD_S, UNMATCHED_S, make_plan
+from harness.campaign.run import run_seed
+from harness.cluster import rank_context
+from harness.config import EngineSpec
+from harness.core import EngineCore, make_request
+from harness.poll import wait_until
+from harness.runner import free_port
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
+
+SEEDS = (5, 9)  # P TP 2 / D TP 1, and P TP 1 / D TP 2 (harness.campaign.plan draws them)
+REQUESTS = 80
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_request_lands_intact_or_fails_counted_and_nothing_leaks(seed: int, tmp_path: Path) -> None:
+    plan = make_plan(seed, REQUESTS)
+    result = run_seed(plan, tmp_path)
+    assert result.violations == [], result.as_dict()
+    o = result.outcomes
+    assert o["kv_landed"] > 0 and o["recomputed"] > 0  # both endings happened
+    assert sum(o.values()) == REQUESTS  # every request accounted for
+    assert result.checked_positions > 1000
+
+
+def test_the_campaign_fails_on_a_lease_released_under_its_write(tmp_path: Path) -> None:
+    """The defect upstream has (the reaper frees blocks a WRITE still reads): the same
+    seed now ends with wrong bytes on the decoder."""
+    result = run_seed(make_plan(5, 100), tmp_path, mutant="release_claimed")
+    assert any(v.startswith("wrong KV bytes") for v in result.violations), result.as_dict()
+
+
+def test_a_request_aborted_while_it_waits_alone_gives_its_blocks_back(tmp_path: Path) -> None:
+    """The client goes away while its request waits for KV that will never come (its
+    prefill leg was cancelled), on a decoder with nothing else to do: vLLM keeps the
+    blocks until the worker reports the receive; the decoder keeps stepping until it
+    does (P answers the PUSH_REG no one claims), and the blocks come back."""
+    ctx = rank_context()
+    common = dict(workdir=str(tmp_path), prefix_caching=False, extra_config=dict(EXTRA_CONFIG),
+                  kv_load_failure_policy="recompute")
+    p = EngineCore(EngineSpec(name="P", engine_id=f"prefill-{secrets.token_hex(3)}", kv_role="kv_producer",
+                              side_channel_port=free_port(), num_blocks=32, **common), ctx)
+    d = EngineCore(EngineSpec(name="D", engine_id=f"decode-{secrets.token_hex(3)}", kv_role="kv_consumer",
+                              side_channel_port=free_port(), num_blocks=32, **common), ctx)
+    try:
+        p.start()
+        d.start()
+        tid = secrets.token_hex(4)
+        d_id = f"cmpl-{tid}-0-{secrets.token_hex(4)}"
+        addr = p.address
+        d.add_request(make_request(d_id, list(range(100)), 8, {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": addr["engine_id"],
+            "remote_host": addr["host"], "remote_port": addr["port"], "tp_size": 1, "pp_size": 1,
+            "remote_request_id": tid, "remote_block_ids": []}))  # (no prefill leg is ever sent)
+        wait_until(lambda: d.query(lambda s: s.kv_cache_manager.usage) > 0, "D to allocate the blocks")
+        wait_until(lambda: p.rank_call("pending_registrations")[0] == [d_id], "its PUSH_REG to reach P")
+        d.abort(d_id)
+        wait_until(lambda: d.query(lambda s: (len(s.requests), s.kv_cache_manager.usage)) == (0, 0.0),
+                   "D to give the aborted request's blocks back", timeout_s=UNMATCHED_S + HOLD_S + 10)
+        assert d_id in d.state.failed_recving and d.state.errors == [] and p.state.errors == []
+    finally:
+        d.stop()
+        p.stop()
