@@ -53,8 +53,17 @@ def samples(exposition: str) -> list[Sample]:
             for fam in parse_text(exposition) for s in fam.samples]
 
 
-def total(data: Iterable[Sample], name: str, **labels: str) -> float:
-    return sum(v for n, lab, v in data if n == name and all(lab.get(k) == x for k, x in labels.items()))
+class MissingSeries(LookupError):
+    """No sample of that name and labels: a renamed metric or label would otherwise read 0."""
+
+
+def total(data: Iterable[Sample], name: str, *, missing_ok: bool = False, **labels: str) -> float:
+    """The sum of the samples of `name` with `labels`; raises MissingSeries when there is
+    none (unless `missing_ok`: a series that may rightly not exist yet)."""
+    matched = [v for n, lab, v in data if n == name and all(lab.get(k) == x for k, x in labels.items())]
+    if not matched and not missing_ok:
+        raise MissingSeries(f"no sample {name}{labels or ''} on /metrics")
+    return sum(matched)
 
 
 _EXEMPLAR = re.compile(r'^(?P<name>[^{\s]+)(?:\{(?P<labels>[^}]*)\})?\s+\S+\s+#\s+\{(?P<ex>[^}]*)\}')

@@ -37,22 +37,29 @@ SENTINEL = 7.0  # value of every KV element no push wrote
 
 
 class NixlCallLog:
-    """Records what the worker asked its NIXL agent to do (wraps whatever agent it has)."""
+    """Records what the worker asked its NIXL agent to do (wraps whatever agent it has),
+    and when each registration call ran (`times`: (call, agent, start, end), this
+    process's perf_counter), measured here, not by the connector under test."""
 
     def __init__(self, agent: Any):
         object.__setattr__(self, "_agent", agent)
         object.__setattr__(self, "calls", [])
+        object.__setattr__(self, "times", [])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._agent, name)
 
     def add_remote_agent(self, metadata: bytes) -> Any:
+        start = time.perf_counter()
         name = self._agent.add_remote_agent(metadata)
+        self.times.append(("add_remote_agent", _text(name), start, time.perf_counter()))
         self.calls.append(("add_remote_agent", _text(name), 0))
         return name
 
     def prep_xfer_dlist(self, agent_name: Any, descs: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
         handle = self._agent.prep_xfer_dlist(agent_name, descs, *args, **kwargs)
+        self.times.append(("prep_xfer_dlist", _text(agent_name), start, time.perf_counter()))
         self.calls.append(("prep_xfer_dlist", _text(agent_name), _descriptor_count(descs)))
         return handle
 
@@ -423,6 +430,9 @@ class Engine(FaultCommands, InstrumentCommands):
 
     def cmd_nixl_calls(self) -> list[tuple[str, str, int]]:
         return list(self.nixl_log.calls)
+
+    def cmd_nixl_call_times(self) -> list[tuple[str, str, float, float]]:
+        return list(self.nixl_log.times)
 
     def cmd_connections(self) -> dict[str, Any]:
         w = self.worker

@@ -56,7 +56,6 @@ class Run:
     raw_names: list[str]
     headlines: dict[str, list[PanelQuery]]  # range name -> headline panels' answers
     counters: dict[str, Samples]  # range name -> the engines' /metrics changes over it
-    extrapolated_saved: float | None  # increase() of the saved descriptors over the run's range
     expositions: dict[str, str] = field(default_factory=dict)
 
     def panel(self, title: str, ref: str = "A", when: str = "D") -> PanelQuery:
@@ -250,9 +249,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                            if q.panel in headline_titles]
                     for name, window in ranges.items()}
                 counters = {"run": minus(counters_now, at_idle), "before the first scrape": counters_now}
-                extrapolated_saved = prom.value(
-                    f'sum(increase({V.DESCRIPTORS_SAVED.series_names[0]}{{job="{JOB}"}}[{ranges["run"]}]))',
-                    at)
 
                 variable_values = variable_lists(prom, {"job": JOB, "model_name": ".*", "instance": ".*"})
                 share_rule = "instance:vllm_nixl_handshakes_d_to_p_notif_only:ratio1h"
@@ -270,7 +266,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         shape = {"pairs": 1, "remote_ranks": 1,
                  "descriptors_per_registration": spec_p.num_layers * spec_p.num_blocks}
     return Run(instances, idle, busy, busy_p, stats, shape, absent_at_idle, variable_values, loaded,
-               alerts, recorded_share, raw_names, headlines, counters, extrapolated_saved, expositions)
+               alerts, recorded_share, raw_names, headlines, counters, expositions)
 
 
 # Panels that must show data after the pushes, with what the data must be. Each check
@@ -399,15 +395,6 @@ def test_headline_panels_equal_the_engines_counters(run: Run) -> None:
             assert got.keys() == expected.keys(), (name, q.panel, q.ref_id, got, expected)
             for key, value in expected.items():
                 assert math.isclose(got[key], value, rel_tol=1e-12), (name, q.panel, q.ref_id, key, got)
-
-
-def test_increase_would_overcount_the_headline(run: Run) -> None:
-    """Why the headline panels take the exact change: increase() over the same range, at the
-    same instant between two scrapes, extrapolates past the last scrape."""
-    truth = total_of(run.counters["run"], V.DESCRIPTORS_SAVED.series_names[0])[()]
-    assert truth == sum(hs["saved_descriptors"] for hs in run.handshakes("D"))
-    assert truth > 0 and run.extrapolated_saved is not None
-    assert run.extrapolated_saved > truth, (run.extrapolated_saved, truth)
 
 
 def test_handshake_panels(run: Run) -> None:

@@ -294,7 +294,7 @@ def test_a_registered_receive_given_up_fails_only_after_its_hold():
     receives = ReceiveLedger(hold_s=40.0)
     receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
     assert receives.begin_send("d1")
-    receives.sent("d1", {}, frozenset({"agent"}), reached=1, now=2.0)
+    receives.sent("d1", {}, frozenset({"agent"}), now=2.0)
     receives.asked({"d1"}, now=5.0)  # a heartbeat named it
     assert not receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=6.0)
     assert receives.wanted({"d1"}) == set()  # heartbeats stop naming it
@@ -321,17 +321,37 @@ def test_a_given_up_receive_whose_push_reg_reached_nobody_fails_at_once():
     receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
     assert receives.begin_send("d1")
     assert not receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=1.0)  # may be on its way
-    assert receives.sent("d1", {}, frozenset({"agent"}), reached=0, now=1.1)
+    assert receives.sent("d1", {}, frozenset(), now=1.1)
 
 
 def test_a_push_fail_fails_a_waiting_receive_once():
     receives = ReceiveLedger(hold_s=40.0)
     receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
     receives.begin_send("d1")
-    receives.sent("d1", {}, frozenset({"agent"}), reached=1, now=1.0)
-    assert receives.fail("d1", ReceiveFailure.LEASE_EXPIRED)
-    assert not receives.fail("d1", ReceiveFailure.LEASE_EXPIRED)
+    receives.sent("d1", {}, frozenset({"agent"}), now=1.0)
+    assert receives.agent_failed("d1", "agent", ReceiveFailure.LEASE_EXPIRED, now=2.0) == "fail"
+    assert receives.agent_failed("d1", "agent", ReceiveFailure.LEASE_EXPIRED, now=2.0) == "ignore"
     assert receives.state_of("d1") is ReceiveState.FAILING
+
+
+def test_a_push_fail_from_one_prefill_rank_waits_for_the_others_writes():
+    """Found by the campaign (seed 7, P TP 2): one P rank found the lease released and
+    said PUSH_FAIL while the other rank's WRITE was still landing; failing at once gave
+    the blocks to another request under that WRITE."""
+    receives = ReceiveLedger(hold_s=40.0)
+    receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
+    receives.begin_send("d1")
+    receives.sent("d1", {}, frozenset({"rank0", "rank1"}), now=1.0)
+    assert receives.agent_failed("d1", "rank1", ReceiveFailure.LEASE_EXPIRED, now=2.0) == "wait"
+    assert receives.wanted({"d1"}) == set()  # given up: no more heartbeats
+    assert receives.agent_done("d1", "rank0")  # rank 0's WRITE landed: now it fails
+    assert receives.over("d1") is ReceiveFailure.LEASE_EXPIRED
+    # ... or, if rank 0 never answers, at the safe point.
+    receives.start({"d2": {"remote_engine_id": "p"}}, now=0.0)
+    receives.begin_send("d2")
+    receives.sent("d2", {}, frozenset({"rank0", "rank1"}), now=1.0)
+    assert receives.agent_failed("d2", "rank1", ReceiveFailure.LEASE_EXPIRED, now=2.0) == "wait"
+    assert receives.due(41.9) == [] and [r for r, _ in receives.due(42.0)] == ["d2"]
 
 
 def test_the_receive_ledger_is_bounded():

@@ -86,7 +86,11 @@ class Flow:
         raise NotImplementedError
 
     def _take_push_fail_notifs(self) -> None:
-        """D (main thread): fail the receives P said will never get their KV."""
+        """D (main thread): PUSH_FAILs that reached vLLM's queue (no agent known)."""
+        raise NotImplementedError
+
+    def _push_fail_from(self, agent: Any, notif: bytes) -> None:
+        """D: a P agent's PUSH_FAIL (writer, or main for one with no agent known)."""
         raise NotImplementedError
 
     def _end_receive_spans(self, req_id: str, error_type: str, message: str) -> None:

@@ -38,10 +38,11 @@ from typing import Any
 
 from connector.glue.flow import Flow
 from connector.glue.side_channel import SideChannelClient
-from connector.glue.wire import HEARTBEAT_PREFIX
+from connector.glue.wire import HEARTBEAT_PREFIX, PUSH_REG_PREFIX
 from connector.telemetry import errors
 from connector.telemetry.tracing import peer_str
 from connector.vocabulary import (
+    PUSH_FAIL_NOTIF_PREFIX,
     Direction,
     PeerReset,
     PushFailOutcome,
@@ -88,6 +89,10 @@ class PeerFlow(Flow):
             self._count_heartbeat(ok)
         if not ok and agent is not None:
             self._peers.failed_agent(agent, PeerReset.NOTIFICATION_FAILED)
+            if isinstance(notif, bytes) and notif.startswith(PUSH_REG_PREFIX):
+                missed = getattr(self._trigger_local, "reg_failed_agents", None)
+                if missed is not None:
+                    missed.add(agent)
 
     def _notifs_received(self, notifs: dict[Any, list[bytes]]) -> dict[Any, list[bytes]]:
         """The writer's pass over NIXL's notifications (see `Flow`): contact noted,
@@ -95,13 +100,21 @@ class PeerFlow(Flow):
         then P's due work on this thread, the push state's writer."""
         if notifs:
             now = time.perf_counter()
+            consumer = self._kv_role != "kv_producer"
             for agent, messages in notifs.items():
                 self._peers.heard_from(agent, now)
-                if any(m.startswith(HEARTBEAT_PREFIX) for m in messages):
-                    for m in messages:
-                        if m.startswith(HEARTBEAT_PREFIX):
-                            self._renew_from(agent, m)
-                    notifs[agent] = [m for m in messages if not m.startswith(HEARTBEAT_PREFIX)]
+                kept = []
+                for m in messages:
+                    if m.startswith(HEARTBEAT_PREFIX):
+                        self._renew_from(agent, m)  # (applied here, not forwarded)
+                    elif m.startswith(PUSH_FAIL_NOTIF_PREFIX):
+                        self._push_fail_from(agent, m)  # (which rank said it matters)
+                    else:
+                        if consumer and not m.startswith(PUSH_REG_PREFIX):
+                            self._write_landed_from(agent, m)
+                        kept.append(m)
+                if len(kept) != len(messages):
+                    notifs[agent] = kept
         if self._kv_role != "kv_consumer":
             if self._leases.owes:
                 self._send_owed_push_fails()
@@ -131,11 +144,20 @@ class PeerFlow(Flow):
     # ------------------------------------------------------------------- D side
     def _registration_sent(self, req_id: str, reg_data: dict[str, Any], agents: dict[Any, str],
                            failed: int) -> None:
-        """D (writer thread): where a PUSH_REG went."""
-        reached = max(0, len(agents) - failed)
-        if self._receives.sent(req_id, reg_data, frozenset(agents.values()), reached,
-                               time.perf_counter()):
+        """D (writer thread): the P agents a PUSH_REG reached (`failed`: how many it did
+        not; which ones, the probe told `_notif_sent`)."""
+        missed = getattr(self._trigger_local, "reg_failed_agents", set())
+        reached = frozenset(a for a in agents.values() if a not in missed) if failed < len(agents) \
+            else frozenset()
+        if self._receives.sent(req_id, reg_data, reached, time.perf_counter()):
             self._failed_recv_reqs.decided(req_id)  # given up, and P never got it: fail now
+
+    def _write_landed_from(self, agent: Any, message: bytes) -> None:
+        """D (writer): a P agent's completion notification ("<D request id>:<P TP>"):
+        that rank will not write into the request's blocks any more."""
+        req_id = message.rpartition(b":")[0]
+        if req_id and self._receives.agent_done(req_id.decode("utf-8", "replace"), agent):
+            self._failed_recv_reqs.decided(req_id.decode("utf-8", "replace"))
 
     def _fail_receive(self, req_id: str, reason: ReceiveFailure) -> None:
         if self._receives.fail(req_id, reason):

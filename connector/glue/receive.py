@@ -192,6 +192,7 @@ class ReceiveFlow(Flow):
         agents = dict(dict.get(self._remote_agents, reg_data.get("remote_engine_id")) or {})
         num_agents = len(agents)
         self._trigger_local.reg_failures = 0
+        self._trigger_local.reg_failed_agents = set()
         # When this decoder last asked for the KV (its clock): a fork P posts no WRITE
         # more than a lease after it (connector/state/receives.py). Our copy of the dict.
         reg_data[PUSH_REG_SENT_AT_KEY] = time.perf_counter()
@@ -217,22 +218,26 @@ class ReceiveFlow(Flow):
 
     # -------------------------------------------------------------- PUSH_FAIL in
     def _take_push_fail_notifs(self) -> None:
+        """Main: PUSH_FAILs that reached vLLM's queue instead of the writer's pass (it
+        failed): which agent sent them is not known, so each is taken as one P rank's."""
         pending = self._pending_completion_notifs.push_fails
         while pending:
-            self._on_push_fail(pending.popleft())
+            self._push_fail_from(None, pending.popleft())
 
-    def _on_push_fail(self, notif: bytes) -> None:
+    def _push_fail_from(self, agent: Any, notif: bytes) -> None:
+        """A P agent (rank) says this request's KV will never come from it (writer, or
+        main for one without its agent). The receive fails once every rank its PUSH_REG
+        reached has settled; until then another rank may still WRITE into its blocks."""
         parsed = decode_push_fail(notif)
         if parsed is None:
             logger.warning("Dropped a malformed PUSH_FAIL notification (%d bytes)", len(notif))
             return
         req_id, reason = parsed
-        if req_id not in self._recving_metadata:
+        action = self._receives.agent_failed(req_id, agent, ReceiveFailure(reason.value),
+                                             time.perf_counter())
+        if action == "ignore":
             logger.debug("PUSH_FAIL for request %s, which is not waiting here", peer_str(req_id))
             return
-        logger.warning("Request %s: its prefill reports the KV will never be pushed (%s); "
-                       "failing the KV load now instead of waiting for push_registration_timeout",
-                       peer_str(req_id), reason.value)
         if reason is PushFailReason.LEASE_EXPIRED and self._spans.enabled:
             try:
                 span = self._receive_spans.get(req_id)
@@ -240,4 +245,12 @@ class ReceiveFlow(Flow):
                     span.add_event(SpanEvent.LEASE_EXPIRED, {Attr.LEASE_FATE: LeaseFate.REGISTERED.value})
             except Exception as exc:
                 errors.note(TelemetryError.SPAN, exc)
-        self._fail_receive(req_id, ReceiveFailure(reason.value))
+        if action == "fail":
+            logger.warning("Request %s: its prefill reports the KV will never be pushed (%s); "
+                           "failing the KV load now instead of waiting for push_registration_timeout",
+                           peer_str(req_id), reason.value)
+            self._failed_recv_reqs.decided(req_id)
+        else:
+            logger.warning("Request %s: a prefill rank reports its KV will never be pushed (%s); "
+                           "it fails once every rank's WRITE into its blocks has settled",
+                           peer_str(req_id), reason.value)

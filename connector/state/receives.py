@@ -47,7 +47,8 @@ class Receive:
     engine: str | None
     started_at: float  # monotonic
     state: ReceiveState = ReceiveState.QUEUED
-    agents: frozenset[str] = frozenset()
+    agents: frozenset[str] = frozenset()  # P agents (ranks) its PUSH_REG reached
+    settled: frozenset[str] = frozenset()  # of those: done writing, or said PUSH_FAIL
     reg: dict[str, Any] | None = None
     last_want: float = 0.0  # PUSH_REG sent, or last heartbeat naming it
     sent_at: float = 0.0  # the PUSH_REG last reached P
@@ -120,7 +121,8 @@ class ReceiveLedger:
 
     def give_up(self, req_id: str, why: ReceiveAbandon, now: float) -> bool:
         """Stop waiting for this receive. True: fail it now (no WRITE can come);
-        False: it is abandoned (or already over) and fails at its safe point."""
+        False: it is abandoned (or already over) and fails at its safe point, or when
+        every P agent it reached settled."""
         with self._lock:
             rec = self._receives.get(req_id)
             if rec is None:
@@ -135,9 +137,11 @@ class ReceiveLedger:
                 rec.abandon = why
                 rec.safe_at = max(rec.last_want, now) + self.hold_s
                 self._abandoned += 1
+            elif rec.state is ReceiveState.ABANDONED and rec.abandon is None:
+                rec.abandon = why
             return False
 
-    def due(self, now: float) -> list[tuple[str, ReceiveAbandon]]:
+    def due(self, now: float) -> list[tuple[str, ReceiveAbandon | None]]:
         """Abandoned receives whose blocks no WRITE can reach any more: fail them now."""
         if not self._abandoned:
             return []
@@ -146,9 +150,9 @@ class ReceiveLedger:
             for rec in self._receives.values():
                 if rec.state is ReceiveState.ABANDONED and rec.safe_at <= now:
                     rec.state = ReceiveState.FAILING
-                    rec.failure = ReceiveFailure.ABANDONED
+                    rec.failure = rec.failure or ReceiveFailure.ABANDONED
                     self._abandoned -= 1
-                    out.append((rec.req_id, rec.abandon or ReceiveAbandon.TIMED_OUT))
+                    out.append((rec.req_id, rec.abandon))
         return out
 
     def fail(self, req_id: str, why: ReceiveFailure) -> bool:
@@ -163,6 +167,48 @@ class ReceiveLedger:
             rec.state = ReceiveState.FAILING
             rec.failure = why
             return True
+
+    def agent_done(self, req_id: str, agent: str) -> bool:
+        """A P agent's WRITE of this receive completed (its notification arrived). True
+        when the receive was told to fail and every agent it reached has now settled
+        (the caller fails it now)."""
+        with self._lock:
+            rec = self._receives.get(req_id)
+            if rec is None:
+                return False
+            rec.settled = rec.settled | {agent}
+            return self._fail_if_settled(rec)
+
+    def agent_failed(self, req_id: str, agent: str | None, why: ReceiveFailure, now: float) -> str:
+        """A P agent said PUSH_FAIL. "fail": every agent the PUSH_REG reached has settled,
+        fail it now; "wait": another rank of P may still WRITE into its blocks, so it is
+        given up (heartbeats stop) and fails when they settle or at its safe point;
+        "ignore": not waiting here."""
+        with self._lock:
+            rec = self._receives.get(req_id)
+            if rec is None or rec.state in (ReceiveState.FAILING, ReceiveState.DONE):
+                return "ignore"
+            rec.failure = rec.failure or why
+            if agent is not None:
+                rec.settled = rec.settled | {agent}
+            if self._fail_if_settled(rec):
+                return "fail"
+            if rec.state is not ReceiveState.ABANDONED:
+                rec.state = ReceiveState.ABANDONED
+                rec.abandon = None
+                rec.safe_at = max(rec.last_want, now) + self.hold_s
+                self._abandoned += 1
+            return "wait"
+
+    def _fail_if_settled(self, rec: Receive) -> bool:
+        if rec.failure is None or not rec.agents or not rec.agents <= rec.settled:
+            return False
+        if rec.state in (ReceiveState.FAILING, ReceiveState.DONE):
+            return False
+        if rec.state is ReceiveState.ABANDONED:
+            self._abandoned -= 1
+        rec.state = ReceiveState.FAILING
+        return True
 
     def note_failure(self, req_id: str, why: ReceiveFailure) -> None:
         """vLLM fails this receive itself (e.g. its registration handshake failed)."""
@@ -258,10 +304,10 @@ class ReceiveLedger:
                 return again
             return 0
 
-    def sent(self, req_id: str, reg: dict[str, Any], agents: frozenset[str], reached: int,
-             now: float) -> bool:
-        """Where the PUSH_REG went. True when it reached no agent of a receive given up
-        meanwhile (the caller fails it now: no WRITE can come)."""
+    def sent(self, req_id: str, reg: dict[str, Any], agents: frozenset[str], now: float) -> bool:
+        """The P agents the PUSH_REG reached. True when it reached none and the receive
+        was given up meanwhile (the caller fails it now: no WRITE can come)."""
+        reached = len(agents)
         with self._lock:
             rec = self._receives.get(req_id)
             if rec is None:
