@@ -328,10 +328,11 @@ def test_decode_fails_a_receive_whose_prefill_is_unreachable_within_the_retry_bu
     d_stats.wait(StatKey.RECEIVE_FAILURES, lambda c: sum(c.values()) >= 1, "the failure counted")
     assert d_stats.counts(StatKey.RECEIVE_FAILURES) == Counter({ReceiveFailure.HANDSHAKE_FAILED.value: 1})
     # One handshake, counted once with its final outcome (its second attempt); the
-    # first attempt is a retry (handshake_retries), both found no listener.
-    attempts = [(x["attempt"], x["outcome"], x["error_type"])
+    # first attempt is a retry (handshake_retries, its record marked `retried`, which
+    # the metrics do not count as a handshake), both found no listener.
+    attempts = [(x["attempt"], x["outcome"], x["error_type"], x.get("retried", False))
                 for r in d_stats.records for x in r.get(StatKey.HANDSHAKES, [])]
-    assert attempts == [(2, "failure", "unreachable")]
+    assert attempts == [(1, "failure", "unreachable", True), (2, "failure", "unreachable", False)]
     assert d_stats.counts(StatKey.HANDSHAKE_RETRIES) == Counter({"d_to_p": 1})
     logged = h["D"].call("logged", VLLM_NIXL_LOG)
     assert any("push_reg_handshake_failed" in line and d_id in line for line in logged), logged

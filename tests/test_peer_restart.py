@@ -159,11 +159,15 @@ def test_decode_dies_while_prefill_holds_a_lease_it_heartbeated(tmp_path: Any) -
     h = connected(tmp_path, SHORT_LEASE_S)
     try:
         p_stats = Stats(h, "P")
+        renewed = p_stats.values(StatKey.LEASE_RENEWALS)["renewed"]  # (the set-up push's)
         p_id, _ = ids()
         p_blocks = h["P"].allocate(2)
         h["P"].call("finish", p_id, p_blocks, float(SHORT_LEASE_S))
+        wait_until(lambda: h["P"].call("push_state")["_leases"]["leases"].get("held") == 1,
+                   "P to hold the lease")
         h["D"].call("heartbeat", h["P"].address, p_id)  # the request waits in D's queue
-        wait_until(lambda: p_stats.values(StatKey.LEASE_RENEWALS)["renewed"] >= 1, "a renewal on P")
+        wait_until(lambda: p_stats.values(StatKey.LEASE_RENEWALS)["renewed"] > renewed,
+                   "this lease's renewal on P")
         h["D"].process.kill()
         wait_until(lambda: p_id in h["P"].call("results")["finished_sending"],
                    "P to release the lease", timeout_s=SHORT_LEASE_S * 3)

@@ -300,6 +300,8 @@ CORE = {
     "Completion notifications after lease expiry/s",
     # Peers: counters created at 0 at start-up.
     "Peers that restarted", "Peer connections dropped/s", "Receives failed/s by reason (D)",
+    # Push state: counters and gauges created at 0 at start-up.
+    "Receives given up/s (D)", "PUSH_FAILs owed/s (P)", "WRITEs aborted/s (P)", "Peers forgotten",
 }
 # Panels whose series are born at their first failure: empty in a healthy run.
 QUIET = {"Handshake failures/s by phase and error type"}

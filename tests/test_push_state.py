@@ -95,6 +95,24 @@ def test_a_push_fail_is_owed_only_once_every_write_of_the_request_settled():
     assert [x.req_id for x in leases.plan_reap(2.0, [p_id("a")])[0]] == [p_id("a")]
 
 
+def test_a_write_vllm_reports_done_before_the_writer_said_posted_is_pushed_not_failed():
+    """Found by the load test: vLLM publishes a request's WRITE handles at the end of its
+    posting call, so the main thread's poll can find them all done, and vLLM report the
+    request finished, before the writer tells the ledger what it posted. The push
+    succeeded: no PUSH_FAIL, and the writer's late `posted` changes nothing."""
+    leases = ledger()
+    leases.grant({p_id("a"): 100.0}, None, 0.0)
+    r = reg("a", nixl_observed_caps=["push_fail"])
+    assert leases.claim(p_id("a"), r, None, None, now=1.0) is None
+    assert leases.begin_post(p_id("a"), None, now=1.0) is None
+    (settled,) = leases.settle([p_id("a")], open_writes=set())  # vLLM: finished_sending
+    assert settled.pushed and leases.state_of(p_id("a")) is LeaseState.PUSHED
+    leases.posted(p_id("a"), handles=1)  # the writer, late
+    assert leases.settle([], open_writes=set()) == []
+    assert leases.state_of(p_id("a")) is LeaseState.PUSHED and leases.take_owed() == []
+    assert not leases.writing
+
+
 def test_a_write_past_its_timeout_is_returned_for_abort_and_an_unposted_claim_fails():
     leases = ledger()
     leases.grant({p_id("a"): 1000.0, p_id("b"): 1000.0}, None, 0.0)
@@ -286,7 +304,7 @@ TestLeaseMachine.settings = settings(max_examples=150, stateful_step_count=40, d
 def test_a_receive_given_up_before_its_push_reg_left_fails_at_once():
     receives = ReceiveLedger(hold_s=40.0)
     receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
-    assert receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=1.0)
+    assert receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=1.0) == "fail"
     assert not receives.begin_send("d1")  # the writer sends nothing for it
 
 
@@ -296,7 +314,8 @@ def test_a_registered_receive_given_up_fails_only_after_its_hold():
     assert receives.begin_send("d1")
     receives.sent("d1", {}, frozenset({"agent"}), now=2.0)
     receives.asked({"d1"}, now=5.0)  # a heartbeat named it
-    assert not receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=6.0)
+    assert receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=6.0) == "held"
+    assert receives.give_up("d1", ReceiveAbandon.TIMED_OUT, now=7.0) == ""  # (once)
     assert receives.wanted({"d1"}) == set()  # heartbeats stop naming it
     assert receives.due(45.9) == []
     assert receives.due(46.0) == [("d1", ReceiveAbandon.CLIENT_GONE)]
@@ -310,7 +329,7 @@ def test_a_push_reg_still_queued_when_its_receive_ended_never_leaves():
     those blocks."""
     receives = ReceiveLedger(hold_s=40.0)
     receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
-    assert receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=1.0)
+    assert receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=1.0) == "fail"
     receives.over("d1")  # vLLM reported it failed: its blocks are free
     assert not receives.begin_send("d1")
     assert not receives.begin_send("never-started")
@@ -320,7 +339,7 @@ def test_a_given_up_receive_whose_push_reg_reached_nobody_fails_at_once():
     receives = ReceiveLedger(hold_s=40.0)
     receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
     assert receives.begin_send("d1")
-    assert not receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=1.0)  # may be on its way
+    assert receives.give_up("d1", ReceiveAbandon.CLIENT_GONE, now=1.0) == "held"  # may be on its way
     assert receives.sent("d1", {}, frozenset(), now=1.1)
 
 
@@ -332,6 +351,20 @@ def test_a_push_fail_fails_a_waiting_receive_once():
     assert receives.agent_failed("d1", "agent", ReceiveFailure.LEASE_EXPIRED, now=2.0) == "fail"
     assert receives.agent_failed("d1", "agent", ReceiveFailure.LEASE_EXPIRED, now=2.0) == "ignore"
     assert receives.state_of("d1") is ReceiveState.FAILING
+
+
+def test_agent_names_are_one_spelling_whether_vllm_or_nixl_hands_them_over():
+    """vLLM keeps remote agent names as bytes, NIXL hands them back as str with received
+    notifications: a PUSH_FAIL or a contact must match the agent the PUSH_REG reached."""
+    receives = ReceiveLedger(hold_s=40.0)
+    receives.start({"d1": {"remote_engine_id": "p"}}, now=0.0)
+    receives.begin_send("d1")
+    receives.sent("d1", {}, frozenset({b"agent-1"}), now=1.0)
+    assert receives.agent_failed("d1", "agent-1", ReceiveFailure.LEASE_EXPIRED, now=2.0) == "fail"
+    peers = PeerTable(forget_after_s=100.0)
+    peers.connected("p", frozenset({b"agent-1"}), now=1.0)
+    peers.heard_from("agent-1", now=5.0)
+    assert peers.last_contact("p") == 5.0 and peers.engine_of(b"agent-1") == "p"
 
 
 def test_a_push_fail_from_one_prefill_rank_waits_for_the_others_writes():

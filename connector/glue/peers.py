@@ -39,6 +39,7 @@ from typing import Any
 from connector.glue.flow import Flow
 from connector.glue.side_channel import SideChannelClient
 from connector.glue.wire import HEARTBEAT_PREFIX, PUSH_REG_PREFIX
+from connector.state import agent_name
 from connector.telemetry import errors
 from connector.telemetry.tracing import peer_str
 from connector.vocabulary import (
@@ -146,9 +147,9 @@ class PeerFlow(Flow):
                            failed: int) -> None:
         """D (writer thread): the P agents a PUSH_REG reached (`failed`: how many it did
         not; which ones, the probe told `_notif_sent`)."""
-        missed = getattr(self._trigger_local, "reg_failed_agents", set())
-        reached = frozenset(a for a in agents.values() if a not in missed) if failed < len(agents) \
-            else frozenset()
+        missed = {agent_name(a) for a in getattr(self._trigger_local, "reg_failed_agents", ())}
+        reached = frozenset(a for a in map(agent_name, agents.values()) if a not in missed) \
+            if failed < len(agents) else frozenset()
         if self._receives.sent(req_id, reg_data, reached, time.perf_counter()):
             self._failed_recv_reqs.decided(req_id)  # given up, and P never got it: fail now
 
@@ -164,10 +165,10 @@ class PeerFlow(Flow):
             self._failed_recv_reqs.decided(req_id)
 
     def _give_up_receive(self, req_id: str, why: ReceiveAbandon) -> None:
-        if self._receives.state_of(req_id) is None:
-            return
-        self._safe(self.xfer_stats.record_receive_abandoned, why.value)
-        if self._receives.give_up(req_id, why, time.perf_counter()):
+        outcome = self._receives.give_up(req_id, why, time.perf_counter())
+        if outcome:
+            self._safe(self.xfer_stats.record_receive_abandoned, why.value)
+        if outcome == "fail":
             self._failed_recv_reqs.decided(req_id)  # its PUSH_REG never left: nothing can land
 
     # ------------------------------------------------------------------- P side
@@ -192,8 +193,9 @@ class PeerFlow(Flow):
                 for req_id in self._receives.waiting_on(engine_id):
                     self._give_up_receive(req_id, ReceiveAbandon.PEER_UNREACHABLE)
         for req_id, why in self._receives.due(now):
-            logger.warning("Request %s: failing its KV load (given up: %s); no WRITE into its "
-                           "blocks can come any more", req_id, why.value)
+            logger.warning("Request %s: failing its KV load (%s); no WRITE into its blocks can "
+                           "come any more", req_id,
+                           f"given up: {why.value}" if why else "a prefill rank said PUSH_FAIL")
             self._failed_recv_reqs.decided(req_id)
         if now - self._tended_at >= TEND_INTERVAL_S:
             self._tended_at = now
@@ -213,7 +215,8 @@ class PeerFlow(Flow):
                 handshaking = engine_id in self._handshake_futures
             if handshaking:
                 continue  # a new connection is being made: judge it when it is done
-            if not connected or (failed_agents and not failed_agents & set(connected.values())):
+            current = set(map(agent_name, connected.values()))
+            if not connected or (failed_agents and not failed_agents & current):
                 self._peers.clear_suspect(engine_id)  # already gone, or replaced since
                 continue
             if self._leases.writes_to(engine_id):

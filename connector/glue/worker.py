@@ -311,7 +311,8 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
             # A claim that posted nothing fails now; posted WRITEs fail once all settle.
             self._leases.fail(req_id, PushFailReason.PUSH_FAILED)
             self._mark_push_failed(req_id, failure_type, str(why))
-        elif failure_type in _RECEIVE_FAILURES:
+        elif failure_type in _RECEIVE_FAILURES and not self._receives.reached_prefill(req_id):
+            # (Once a PUSH_REG reached P, vLLM's failure is turned into a give-up.)
             self._receives.note_failure(req_id, ReceiveFailure.HANDSHAKE_FAILED)
             self._end_receive_spans(req_id, failure_type, str(why))
 

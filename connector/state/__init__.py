@@ -14,3 +14,9 @@ another of these objects while holding its lock. vLLM's own maps are changed on 
 engine's main thread only, at the points docs/architecture.md ("Push state") names.
 Nothing here imports vLLM: the rules are tested on their own (tests/test_push_state.py).
 """
+
+
+def agent_name(agent: object) -> str:
+    """One spelling of a NIXL agent name: vLLM keeps them as bytes in `_remote_agents`,
+    NIXL hands them back as str with received notifications."""
+    return agent.decode("utf-8", "replace") if isinstance(agent, bytes | bytearray) else str(agent)

@@ -42,6 +42,7 @@ _ROUTER_ID = (re.compile(r"cmpl-(.+)-\d+"), re.compile(r"chatcmpl-(.+)"))
 
 _LIVE = frozenset({LeaseState.HELD, LeaseState.CLAIMED, LeaseState.POSTING, LeaseState.WRITING})
 _CLAIMED = frozenset({LeaseState.CLAIMED, LeaseState.POSTING, LeaseState.WRITING})
+_POSTED = frozenset({LeaseState.POSTING, LeaseState.WRITING})
 
 
 def request_keys(req_id: str, base_of: Callable[[str], str]) -> tuple[str, ...]:
@@ -272,11 +273,14 @@ class LeaseLedger:
         done = set(finished_sending)
         out: list[Settled] = []
         with self._lock:
-            for lease in [le for le in self._leases.values() if le.state is LeaseState.WRITING]:
+            # POSTING and done: vLLM publishes a request's handles at the end of its
+            # posting call, and this step's poll found them all done before the writer
+            # called `posted` (which then finds the lease over).
+            for lease in [le for le in self._leases.values() if le.state in _POSTED]:
                 if lease.req_id in done:
                     self._end(lease, LeaseState.PUSHED)
                     out.append(Settled(lease.req_id, True, None))
-                elif lease.req_id not in open_writes:
+                elif lease.state is LeaseState.WRITING and lease.req_id not in open_writes:
                     self._fail(lease, lease.failure or PushFailReason.PUSH_FAILED)
                     out.append(Settled(lease.req_id, False, lease.failure))
             for req_id in done:  # pushed by a path the ledger did not see claimed

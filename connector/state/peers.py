@@ -16,6 +16,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from connector.state import agent_name
 from connector.vocabulary import PeerReset
 
 MAX_PEERS = 4096
@@ -62,7 +63,7 @@ class PeerTable:
         return self._suspects > 0 or self._dropped > 0
 
     def engine_of(self, agent: str) -> str | None:
-        return self._by_agent.get(agent)  # (one dict read: atomic)
+        return self._by_agent.get(agent_name(agent))  # (one dict read: atomic)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -73,6 +74,7 @@ class PeerTable:
     def connected(self, engine_id: str, agents: frozenset[str], now: float) -> tuple[bool, frozenset[str]]:
         """A handshake to `engine_id` ended with these agents. Returns (it restarted:
         a new agent where a dropped one was, the dropped agents)."""
+        agents = frozenset(map(agent_name, agents))
         with self._lock:
             peer = self._peer(engine_id)
             for name in peer.agents - agents:
@@ -90,7 +92,7 @@ class PeerTable:
 
     def heard_from(self, agent: str, now: float) -> None:
         """A notification arrived from this agent (writer thread)."""
-        engine_id = self._by_agent.get(agent)
+        engine_id = self._by_agent.get(agent_name(agent))
         if engine_id is None:
             return
         with self._lock:
@@ -136,10 +138,10 @@ class PeerTable:
                 self._suspects += 1
                 peer.suspect = reason
             if agent is not None:
-                peer.suspect_agents.add(agent)
+                peer.suspect_agents.add(agent_name(agent))
 
     def failed_agent(self, agent: str, reason: PeerReset) -> None:
-        engine_id = self._by_agent.get(agent)
+        engine_id = self._by_agent.get(agent_name(agent))
         if engine_id is not None:
             self.failed(engine_id, reason, agent)
 
@@ -169,7 +171,8 @@ class PeerTable:
                 self._suspects -= 1
             if peer.dropped_at is None:
                 self._dropped += 1
-            peer.dropped_at, peer.dropped_agents, peer.drop_reason = now, agents, reason
+            peer.dropped_at, peer.drop_reason = now, reason
+            peer.dropped_agents = frozenset(map(agent_name, agents))
             peer.kept_transfer_info = kept_transfer_info
             for name in peer.agents:
                 self._by_agent.pop(name, None)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from connector.state import agent_name
 from connector.vocabulary import ReceiveAbandon, ReceiveFailure
 
 MAX_RECEIVES = 65536
@@ -119,27 +120,28 @@ class ReceiveLedger:
                 if rec is not None and rec.state in _WAITING:
                     rec.last_want = now
 
-    def give_up(self, req_id: str, why: ReceiveAbandon, now: float) -> bool:
-        """Stop waiting for this receive. True: fail it now (no WRITE can come);
-        False: it is abandoned (or already over) and fails at its safe point, or when
-        every P agent it reached settled."""
+    def give_up(self, req_id: str, why: ReceiveAbandon, now: float) -> str:
+        """Stop waiting for this receive. "fail": fail it now (no WRITE can come);
+        "held": abandoned, it fails at its safe point or when every P agent it reached
+        settled; "": already given up, or over."""
         with self._lock:
             rec = self._receives.get(req_id)
             if rec is None:
-                return False
+                return ""
             if rec.state in (ReceiveState.QUEUED, ReceiveState.UNDELIVERED):
                 rec.state = ReceiveState.FAILING
                 rec.failure = ReceiveFailure.ABANDONED
                 rec.abandon = why
-                return True
+                return "fail"
             if rec.state in (ReceiveState.SENDING, ReceiveState.REGISTERED):
                 rec.state = ReceiveState.ABANDONED
                 rec.abandon = why
                 rec.safe_at = max(rec.last_want, now) + self.hold_s
                 self._abandoned += 1
-            elif rec.state is ReceiveState.ABANDONED and rec.abandon is None:
+                return "held"
+            if rec.state is ReceiveState.ABANDONED and rec.abandon is None:
                 rec.abandon = why
-            return False
+            return ""
 
     def due(self, now: float) -> list[tuple[str, ReceiveAbandon | None]]:
         """Abandoned receives whose blocks no WRITE can reach any more: fail them now."""
@@ -176,7 +178,7 @@ class ReceiveLedger:
             rec = self._receives.get(req_id)
             if rec is None:
                 return False
-            rec.settled = rec.settled | {agent}
+            rec.settled = rec.settled | {agent_name(agent)}
             return self._fail_if_settled(rec)
 
     def agent_failed(self, req_id: str, agent: str | None, why: ReceiveFailure, now: float) -> str:
@@ -190,7 +192,7 @@ class ReceiveLedger:
                 return "ignore"
             rec.failure = rec.failure or why
             if agent is not None:
-                rec.settled = rec.settled | {agent}
+                rec.settled = rec.settled | {agent_name(agent)}
             if self._fail_if_settled(rec):
                 return "fail"
             if rec.state is not ReceiveState.ABANDONED:
@@ -211,10 +213,11 @@ class ReceiveLedger:
         return True
 
     def note_failure(self, req_id: str, why: ReceiveFailure) -> None:
-        """vLLM fails this receive itself (e.g. its registration handshake failed)."""
+        """vLLM fails this receive itself (e.g. its registration handshake failed); not
+        once its PUSH_REG reached P (the fork gives it up instead: FailedReceives)."""
         with self._lock:
             rec = self._receives.get(req_id)
-            if rec is not None and rec.failure is None:
+            if rec is not None and rec.failure is None and not rec.sent_at:
                 rec.failure = why
 
     def over(self, req_id: str) -> ReceiveFailure | None:
@@ -239,6 +242,7 @@ class ReceiveLedger:
 
     def registered_on(self, engine_id: str, agents: frozenset[str]) -> list[str]:
         """Receives whose PUSH_REG reached only these (now gone) agents of `engine_id`."""
+        agents = frozenset(map(agent_name, agents))
         with self._lock:
             return [r.req_id for r in self._receives.values()
                     if r.engine == engine_id and r.agents and r.agents <= agents
@@ -307,6 +311,7 @@ class ReceiveLedger:
     def sent(self, req_id: str, reg: dict[str, Any], agents: frozenset[str], now: float) -> bool:
         """The P agents the PUSH_REG reached. True when it reached none and the receive
         was given up meanwhile (the caller fails it now: no WRITE can come)."""
+        agents = frozenset(map(agent_name, agents))
         reached = len(agents)
         with self._lock:
             rec = self._receives.get(req_id)

@@ -289,6 +289,8 @@ def run_seed(plan: Plan, workdir: Path, mutant: str | None = None) -> SeedResult
         judge(run, result, bound, drained)
     except Exception as exc:
         result.violations.append(f"campaign error: {type(exc).__name__}: {exc}")
+        for name, core in [*run.cores.items(), *run.retired]:
+            result.violations.extend(f"engine {name} exception: {e[:2000]}" for e in core.state.errors)
     finally:
         result.faults_injected = _fault_counts(run)
         run.stop()
