@@ -44,6 +44,7 @@ from connector.vocabulary import (
     SPAN_ROUTER_REQUEST,
     Attr,
     Phase,
+    RouterAttr,
     SpanEvent,
     phase_span_name,
 )
@@ -366,8 +367,13 @@ def test_every_request_is_one_trace_across_router_p_and_d(stack: Stack,
         router = by_name[("router", SPAN_ROUTER_REQUEST)]
         assert router["kind"] == "SERVER"
         assert router["parent_span_id"] not in {s["span_id"] for s in mine}  # child of the test's span
+        # The client's id stays on the router's span; the engines know the request by the
+        # transfer id the router gave it (one of its own: clients reuse theirs).
+        assert router["attributes"][RouterAttr.REQUEST_ID] == o.request_id
+        transfer_id = router["attributes"][RouterAttr.TRANSFER_ID]
+        assert o.request_id not in transfer_id
         for service in ("vllm-prefill", "vllm-decode"):
-            assert o.request_id in by_name[(service, "llm_request")]["attributes"]["gen_ai.request.id"]
+            assert transfer_id in by_name[(service, "llm_request")]["attributes"]["gen_ai.request.id"]
         assert by_name[("vllm-decode", SPAN_PUSH_RECEIVE)]
         assert by_name[("vllm-prefill", SPAN_PUSH_WRITE)]
 
