@@ -111,12 +111,7 @@ class EngineCore:
             handle.request_stop()
         for handle in self.ranks:
             handle.finish_stop()
-        if self.scheduler is not None:
-            try:
-                self.scheduler.shutdown()
-            except Exception:
-                logger.debug("scheduler shutdown", exc_info=True)
-            self.scheduler = None
+        self._shutdown_scheduler()
 
     def kill(self) -> None:
         """The engine dies at once (its processes killed, its listener closed)."""
@@ -129,6 +124,9 @@ class EngineCore:
         if self._thread is not None:
             self._thread.join(30)
             self._thread = None
+        self._shutdown_scheduler()
+
+    def _shutdown_scheduler(self) -> None:
         if self.scheduler is not None:
             try:
                 self.scheduler.shutdown()
