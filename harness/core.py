@@ -17,6 +17,7 @@ stalled (the way a starved host stalls it).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import queue
@@ -24,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -230,8 +231,11 @@ class EngineCore:
         for rank, out in enumerate(outs):
             req_ids = list(so.num_scheduled_tokens)
             sampled = out["sampled"]
+            # (vLLM 0.34 dropped req_id_to_index: the order of req_ids is the index.)
+            index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}} \
+                if "req_id_to_index" in _fields(ModelRunnerOutput) else {}
             runner_outputs.append(ModelRunnerOutput(
-                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                req_ids=req_ids, **index,
                 sampled_token_ids=[sampled.get(r, []) for r in req_ids],
                 kv_connector_output=KVConnectorOutput(
                     finished_sending=out["finished_sending"] or None,
@@ -261,6 +265,12 @@ class EngineCore:
                     self.state.finished[out.request_id] = done
                     if self._on_finished is not None:
                         self._on_finished(done)
+
+
+@functools.cache
+def _fields(cls: type) -> frozenset[str]:
+    """The dataclass fields of one of vLLM's output classes (they change between minors)."""
+    return frozenset(f.name for f in fields(cls))
 
 
 def build_scheduler(spec: EngineSpec) -> Any:

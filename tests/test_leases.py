@@ -23,6 +23,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -430,3 +432,20 @@ def test_lease_released_after_the_pass_it_was_due_is_counted_late(
     assert stats[StatKey.LEASE_EXPIRIES] == [LeaseFate.UNCLAIMED.value]
     assert len(stats["num_kv_expired_reqs"]) == 1
     assert len(stats.get(StatKey.LEASES_REAPED_LATE, [])) == (1 if released_at_pass > 1 else 0)
+
+
+def test_a_kept_heartbeat_goes_once_its_handshake_connected_and_never_restarts_a_failed_one():
+    """D keeps a heartbeat vLLM dropped while its engine's handshake was pending. Once
+    connected it goes out; while pending it stays kept; if the handshake failed it is
+    dropped, else every engine step would start a new handshake to a peer that refuses
+    (found on vLLM 0.34, where push refuses other block sizes at every handshake)."""
+    w = bare_lease_worker()
+    w._handshake_lock = threading.Lock()
+    w._handshake_futures = {"p-pending": Future()}
+    w._remote_agents = {"p-connected": {0: b"agent"}}
+    w._owed_heartbeats = {e: SimpleNamespace(req_ids={"d1"})
+                          for e in ("p-failed", "p-pending", "p-connected")}
+    assert set(w._owed_heartbeats_due()) == {"p-connected"}
+    assert set(w._owed_heartbeats) == {"p-pending"}
+    del w._handshake_futures["p-pending"]  # ... and it failed
+    assert w._owed_heartbeats_due() == {} and w._owed_heartbeats == {}

@@ -181,8 +181,7 @@ class LeaseFlow(Flow):
         """vLLM sends the step's heartbeats here (engine main thread): only for the
         receives still wanted, with when they were sent; one its engine's pending
         handshake made vLLM drop is kept and sent once that handshake is done."""
-        due = dict(self._owed_heartbeats)
-        self._owed_heartbeats.clear()
+        due = self._owed_heartbeats_due()
         for engine_id, info in (metadata.heartbeat_by_engine or {}).items():
             due[engine_id] = info
         if not due:
@@ -204,6 +203,23 @@ class LeaseFlow(Flow):
                 self._owed_heartbeats[engine_id] = dataclasses.replace(info, req_ids=ids)
             else:
                 self._receives.asked(ids, now)
+
+    def _owed_heartbeats_due(self) -> dict[str, Any]:
+        """Kept heartbeats whose handshake connected; those still pending stay kept.
+        One whose handshake failed is dropped: sent again, it would start a new
+        handshake on every engine step (a refused one fails at once, so it would
+        never stop); the next regular heartbeat tries again, as vLLM's do."""
+        if not self._owed_heartbeats:
+            return {}
+        owed, self._owed_heartbeats = self._owed_heartbeats, {}
+        due = {}
+        with self._handshake_lock:
+            for engine_id, info in owed.items():
+                if engine_id in self._handshake_futures:
+                    self._owed_heartbeats[engine_id] = info
+                elif engine_id in self._remote_agents:
+                    due[engine_id] = info
+        return due
 
     def _count_heartbeat(self, ok: bool) -> None:
         try:
