@@ -225,9 +225,15 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
                 self._give_up_receive(req_id, ReceiveAbandon.TIMED_OUT)
         results = super().get_transfer_results()
         if self._leases.writing or results.finished_sending:
+            # Read and judged in one critical section with the writer's publish: the
+            # writer publishes a WRITE's handles under this lock and only then marks its
+            # lease posted, so a lease `settle` finds WRITING has its open handles in
+            # this read. (Read first and judged after, a WRITE published and marked
+            # posted in between looked settled without success: a landed push failed.)
             with self._sending_transfers_lock:
                 open_writes = {r for r, handles in self._sending_transfers.items() if handles}
-            for settled in self._leases.settle(results.finished_sending, open_writes):
+                settled_now = self._leases.settle(results.finished_sending, open_writes)
+            for settled in settled_now:
                 if not settled.pushed:
                     self._mark_push_failed(settled.req_id, "push_failed",
                                            (settled.failure or PushFailReason.PUSH_FAILED).value)

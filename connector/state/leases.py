@@ -269,7 +269,9 @@ class LeaseLedger:
 
     def settle(self, finished_sending: Iterable[str], open_writes: set[str]) -> list[Settled]:
         """After vLLM's step: WRITEs done (vLLM reported the request) or settled without
-        success (no handle left open, not reported)."""
+        success (no handle left open, not reported). The caller reads `open_writes` and
+        calls this under vLLM's `_sending_transfers_lock`: the writer publishes handles
+        under it before `posted`, so no lease turns WRITING between the read and here."""
         done = set(finished_sending)
         out: list[Settled] = []
         with self._lock:
