@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "backends": "benchmarks.backends",
     "overhead": "benchmarks.overhead",
     "leases": "benchmarks.leases",
+    "telemetry-cost": "benchmarks.telemetry_cost",
 }
 
 

@@ -91,6 +91,10 @@ OWNERS: dict[str, tuple[str, ...]] = {
 # owners). `connector_any` is every sample with a `connector/` frame on its stack: an upper
 # bound, since the fork's overrides wrap vLLM's (its push writer's whole loop, for one).
 ANY: dict[str, tuple[str, ...]] = {"connector_any": _connector_dirs(), "opentelemetry": ("/opentelemetry/",)}
+# The connector's own samples that are telemetry: a frame of its telemetry package, of
+# the OpenTelemetry SDK or of prometheus_client on the stack (the counterpart of
+# `python -m benchmarks telemetry-cost`, which drives that code alone).
+TELEMETRY = ("/connector/telemetry/", "/opentelemetry/", "/prometheus_client/")
 # A sample whose innermost line is one of these calls is a thread waiting, off the CPU;
 # py-spy's own idle detection misses short timed waits.
 _WAITING = re.compile(r"\.acquire\((?!False)|\.poll\(|\.select\(|\.recv\(|\.recv_multipart\(|"
@@ -104,6 +108,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--concurrency", type=int, default=4, help="clients sending requests")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=20, help="requests before the window (handshakes)")
+    ap.add_argument("--connectors", default=",".join(CONNECTORS),
+                    help=f"comma-separated, of {', '.join(CONNECTORS)}")
 
 
 # ---------------------------------------------------------------- attribution
@@ -150,7 +156,10 @@ def sample_counts(collapsed: str, waiting: Callable[[str], bool] = is_waiting
             continue
         paths = [_where(frame)[0] for frame in frames[1:]]
         counter["all"] += n
-        counter[owner(paths)] += n
+        own = owner(paths)
+        counter[own] += n
+        if own == "connector" and any(fragment in path for path in paths for fragment in TELEMETRY):
+            counter["connector_telemetry"] += n
         for label, fragments in ANY.items():
             if any(fragment in path for path in paths for fragment in fragments):
                 counter[label] += n
@@ -349,7 +358,7 @@ def measure(pair: Pair, args: argparse.Namespace, spy: str, out: Path, rx: OtlpG
     counts: dict[int, collections.Counter] = {}
     for path in profiles.values():
         counts.update(sample_counts(path.read_text()))
-    keys = (*OWNERS, "other", *ANY)
+    keys = (*OWNERS, "connector_telemetry", "other", *ANY)
     total = sum(cpu.values())
     attributed = attributed_cpu(counts, {tid: s for (_, tid), s in cpu.items()}, keys)
     n = max(requests, 1)
@@ -377,7 +386,8 @@ def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
     rx = OtlpGrpcReceiver()
     try:
         for i, mode in enumerate(modes):
-            for connector in CONNECTORS if i % 2 == 0 else CONNECTORS[::-1]:
+            chosen = [c for c in CONNECTORS if c in args.connectors.split(",")]
+            for connector in chosen if i % 2 == 0 else chosen[::-1]:
                 where = bench.dir / f"{mode}-{connector}"
                 t = time.monotonic()
                 pair = Pair(where, connector, mode, model, rx.endpoint)
@@ -409,7 +419,8 @@ def _cell(row: dict[str, Any], key: str) -> str:
     return f"{row['share_pct'][key]:.3f}% {row['us_per_request'][key]:.1f} us"
 
 
-COLUMNS = {"connector": "connector/ (own)", "vllm_nixl": "vLLM nixl/ (own)",
+COLUMNS = {"connector": "connector/ (own)", "connector_telemetry": "own telemetry",
+           "vllm_nixl": "vLLM nixl/ (own)",
            "opentelemetry": "OpenTelemetry", "connector_any": "any connector/ frame"}
 
 
@@ -428,5 +439,5 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace, bench: BenchRun
     print("  own: the innermost connector/ or vLLM frame of a sample is the connector's (what it calls "
           "counts too, vLLM's work below its overrides does not); any connector/ frame: the upper bound "
           "(the fork's push writer wraps vLLM's whole loop). Running samples per row: "
-          + ", ".join(f"{r['mode']} {r['connector']} {r['samples']['all']} ({r['samples']['connector']} own)"
-                      for r in rows))
+          + ", ".join(f"{r['mode']} {r['connector']} {r['samples']['all']} ({r['samples']['connector']} own, "
+                      f"{r['samples']['connector_telemetry']} own telemetry)" for r in rows))

@@ -49,3 +49,17 @@ def test_producers_smoke_reports_both_connectors_per_m(tmp_path, monkeypatch):
         assert row["all_done_ms"] > 0 and row["cpu_ms_per_handshake"] > 0
         assert (row["max_queue_wait_ms"] is None) == (row["connector"] == "stock")
     assert (tmp_path / "producers.png").stat().st_size > 0
+
+
+def test_telemetry_cost_smoke_exports_the_connectors_spans_per_request(tmp_path):
+    # The per-request trace shape reaches the receiver: receive, register and write
+    # spans for every traced request, none with tracing off.
+    assert main(["telemetry-cost", "--requests", "48", "--repeats", "1", "--modes", "off,traced",
+                 "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "telemetry-cost.json").read_text())
+    off, traced = result["modes"]["off"], result["modes"]["traced"]
+    assert off["spans_per_request"] == 0 and traced["spans_per_request"] == 3
+    assert off["stages_us"]["export"] < traced["stages_us"]["export"]
+    assert traced["vllm_us"] > 0 and off["vllm_us"] == 0
+    assert set(traced["stages_us"]) == {"receive_start", "register", "write_start", "write_done",
+                                        "landed", "stats", "serialise", "observe", "export"}

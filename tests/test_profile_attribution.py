@@ -81,6 +81,7 @@ def test_sample_counts_leave_waits_out_and_count_whole_stack_labels():
     assert (writer["connector"], writer["vllm_nixl"]) == (30, 270)
     assert writer["connector_any"] == 300  # every running sample passes our loop override
     assert writer["opentelemetry"] == 30
+    assert writer["connector_telemetry"] == 30  # our own samples in OpenTelemetry's SDK
     assert (counts[202]["all"], counts[202]["vllm"], counts[202]["connector_any"]) == (50, 50, 0)
 
 

@@ -9,7 +9,13 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 
 from connector.telemetry import tracing
 from connector.telemetry.record import HandshakeRecord
-from connector.telemetry.tracing import SpanEmitter, extract_span, inject_context, make_span_exporter
+from connector.telemetry.tracing import (
+    SpanEmitter,
+    extract_span,
+    inject_context,
+    make_span_exporter,
+    span_link,
+)
 from connector.vocabulary import Direction, Trigger
 
 
@@ -166,3 +172,33 @@ def test_our_traceparent_reading_agrees_with_the_sdk_propagator(traceparent):
         sdk_context.trace_id, sdk_context.span_id, sdk_context.trace_flags, sdk_context.is_remote)
 
 
+
+
+def test_lazy_attributes_and_links_are_built_only_for_a_span_that_records():
+    built: list[str] = []
+
+    def attributes():
+        built.append("attributes")
+        return {"nixl.request_id": "r1"}
+
+    def links():
+        built.append("links")
+        return [span_link(extract_span(LINKED), {"link.role": "prefill_request"})]
+
+    kept_provider, kept = _sampled_provider(1.0)
+    dropped_provider, dropped = _sampled_provider(0.0)
+    span = SpanEmitter(dropped_provider.get_tracer("d")).start("s", attributes=attributes, links=links)
+    SpanEmitter.end(span)
+    assert built == [] and dropped.get_finished_spans() == ()
+
+    span = SpanEmitter(kept_provider.get_tracer("k")).start("s", attributes=attributes, links=links)
+    SpanEmitter.end(span)
+    (finished,) = kept.get_finished_spans()
+    assert built == ["attributes", "links"]
+    assert dict(finished.attributes) == {"nixl.request_id": "r1"}
+    (link,) = finished.links
+    assert format(link.context.span_id, "016x") == LINKED["traceparent"].split("-")[2]
+    assert dict(link.attributes) == {"link.role": "prefill_request"}
+
+
+LINKED = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}

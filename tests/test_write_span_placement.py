@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from opentelemetry import trace
 
-from connector.glue.push import PushFlow
+from connector.glue.push import PushFlow, write_span_links
 from connector.telemetry.span_table import SpanTable
 from connector.vocabulary import PUSH_REG_TRACE_KEY, REGISTRATION_TRACE_KEY, Attr, LinkRole
 
@@ -29,7 +29,8 @@ def placement(reg_extra: dict, p_context: tuple[str, str] | None):
     if p_context is not None:
         worker._request_contexts.put("p-req", carrier(p_context))
     registration = {"request_id": "d-req", "decode_engine_id": "d", **reg_extra}
-    parent, links = PushFlow._write_span_placement(worker, "p-req", registration)
+    parent, own = PushFlow._write_span_placement(worker, "p-req", registration)
+    links = None if own is None else write_span_links(own)
     assert worker._request_contexts.get("p-req") is None  # consumed once
     ids = None
     if parent is not None:

@@ -75,6 +75,12 @@ def _decoder_context(reg: dict[str, Any]) -> Any:
             or extract_span(reg.get(REGISTRATION_TRACE_KEY)))
 
 
+def write_span_links(own_carrier: dict[str, str] | None) -> list[Any]:
+    """The write span's link to P's own request context (none for a bad carrier)."""
+    link = span_link(extract_span(own_carrier), _PREFILL_REQUEST_LINK)
+    return [link] if link is not None else []
+
+
 class PushFlow(Flow):
     """Mixin for `NixlPushConnectorWorker`: the prefill side of a push."""
 
@@ -100,21 +106,20 @@ class PushFlow(Flow):
                 errors.note(TelemetryError.SPAN, exc)
 
     def _write_span_placement(self, request_id: str,
-                              registration_data: dict[str, Any]) -> tuple[Any, list[Any] | None]:
-        """Parent and links of a write span.
+                              registration_data: dict[str, Any]) -> tuple[Any, dict[str, str] | None]:
+        """Parent of a write span, and the carrier of the context it links to.
 
         Parent: the D register span the PUSH_REG names (one tree from D's receive
         down to P's write and the handshakes it starts); else D's request context
         (a D that does not trace but got one from its scheduler); else P's own
         request context; else a root. Link: P's own request context, when it is
-        not already the parent.
+        not already the parent (`write_span_links` makes it, for a span that records).
         """
-        own = extract_span(self._request_contexts.pop(request_id))
+        own = self._request_contexts.pop(request_id)
         parent = _decoder_context(registration_data)
         if parent is None:
-            return own, None
-        link = span_link(own, _PREFILL_REQUEST_LINK)
-        return parent, [link] if link is not None else None
+            return extract_span(own), None
+        return parent, own or None
 
     # --------------------------------------------------------- PUSH_REG intake
     def _handle_push_reg_notif(self, notif: bytes) -> None:
@@ -319,24 +324,8 @@ class PushFlow(Flow):
         # handshake is done; a claim that ended meanwhile (timed out) posts nothing.
         if self._leases.state_of(request_id) is not LeaseState.CLAIMED:
             return
-        span = None
-        kept = True  # the span is in `_write_spans` (or there is none)
-        if self._spans.enabled:
-            span = self._write_spans.get(request_id)
-            if span is None:
-                parent, links = self._write_span_placement(request_id, registration_data)
-                span = self._spans.start(
-                    SPAN_PUSH_WRITE, parent=parent, links=links, kind=SpanKind.CONSUMER,
-                    attributes={
-                        Attr.REQUEST_ID: request_id,
-                        Attr.REMOTE_REQUEST_ID: peer_str(registration_data.get("request_id", "")),
-                        Attr.REMOTE_ENGINE_ID: peer_str(registration_data.get("decode_engine_id", "")),
-                        Attr.LOCAL_ENGINE_ID: self.engine_id,
-                        Attr.NUM_BLOCKS: count_blocks(local_block_ids)})
-                if span is not None and span.is_recording():
-                    self._write_spans.put(request_id, span)
-                else:  # a dropped request's: P's main thread has nothing to end
-                    kept = span is None
+        span, kept = (self._open_write_span(request_id, local_block_ids, registration_data)
+                      if self._spans.enabled else (None, True))
         local = self._trigger_local
         local.deferred = False
         if (span is not None and kept) or self._write_deferred_at:
@@ -362,6 +351,30 @@ class PushFlow(Flow):
             if not kept:  # (so that its retry continues the same dropped trace)
                 self._write_spans.put(request_id, span)
             self._note_deferred(request_id)
+
+    def _open_write_span(self, request_id: str, local_block_ids: Any,
+                         registration_data: dict[str, Any]) -> tuple[Any, bool]:
+        """The write span (reused when vLLM calls again after a handshake), and whether
+        it is kept in `_write_spans` for P's main thread to end (a dropped request's
+        is not: nothing ends it)."""
+        span = self._write_spans.get(request_id)
+        if span is not None:
+            return span, True
+        parent, own = self._write_span_placement(request_id, registration_data)
+        engine_id = self.engine_id
+        span = self._spans.start(
+            SPAN_PUSH_WRITE, parent=parent, kind=SpanKind.CONSUMER,
+            links=None if own is None else lambda: write_span_links(own),
+            attributes=lambda: {
+                Attr.REQUEST_ID: request_id,
+                Attr.REMOTE_REQUEST_ID: peer_str(registration_data.get("request_id", "")),
+                Attr.REMOTE_ENGINE_ID: peer_str(registration_data.get("decode_engine_id", "")),
+                Attr.LOCAL_ENGINE_ID: engine_id,
+                Attr.NUM_BLOCKS: count_blocks(local_block_ids)})
+        if span is not None and span.is_recording():
+            self._write_spans.put(request_id, span)
+            return span, True
+        return span, span is None
 
     def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
         """vLLM posts the request's WRITEs here, once its P->D connection is ready: ask

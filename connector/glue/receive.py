@@ -45,6 +45,14 @@ from connector.vocabulary import (
 logger = logging.getLogger(__name__)
 
 
+def _register_attributes(req_id: str, reg_data: dict[str, Any]) -> dict[str, Any]:
+    port = reg_data.get("remote_port", 0)
+    return {Attr.REQUEST_ID: req_id,
+            Attr.REMOTE_ENGINE_ID: peer_str(reg_data.get("remote_engine_id", "")),
+            Attr.SERVER_ADDRESS: peer_str(reg_data.get("remote_host", "")),
+            Attr.SERVER_PORT: port if type(port) is int else 0}
+
+
 class NotifInbox(queue.Queue):
     """vLLM's writer -> main thread notification queue, with PUSH_FAILs set aside.
 
@@ -125,15 +133,17 @@ class ReceiveFlow(Flow):
                 errors.note(TelemetryError.SPAN, exc)
 
     def _open_receive_spans(self, registrations: dict[str, dict[str, Any]]) -> None:
+        engine_id = self.engine_id
         for req_id, reg in registrations.items():
             self._receive_spans.put(req_id, self._spans.start(
                 # The request's own trace (from our scheduler) or, without one, a root.
                 SPAN_PUSH_RECEIVE, parent=extract_span(reg.get(REGISTRATION_TRACE_KEY)),
                 kind=SpanKind.CONSUMER,
-                attributes={Attr.REQUEST_ID: req_id,
-                            Attr.LOCAL_ENGINE_ID: self.engine_id,
-                            Attr.REMOTE_ENGINE_ID: peer_str(reg.get("remote_engine_id", "")),
-                            Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
+                attributes=lambda req_id=req_id, reg=reg: {
+                    Attr.REQUEST_ID: req_id,
+                    Attr.LOCAL_ENGINE_ID: engine_id,
+                    Attr.REMOTE_ENGINE_ID: peer_str(reg.get("remote_engine_id", "")),
+                    Attr.NUM_BLOCKS: count_blocks(reg.get("local_block_ids"))}))
 
     def _end_receive_spans(self, req_id: str, error_type: str, message: str) -> None:
         SpanEmitter.end(self._register_spans.pop(req_id), error_type=error_type, message=message)
@@ -168,13 +178,9 @@ class ReceiveFlow(Flow):
         goes into the PUSH_REG payload `reg_data` (our copy, see above)."""
         span = self._register_spans.get(req_id)
         if span is None:
-            port = reg_data.get("remote_port", 0)
             span = self._spans.start(
                 SPAN_PUSH_REGISTER, parent=self._receive_spans.get(req_id), kind=SpanKind.PRODUCER,
-                attributes={Attr.REQUEST_ID: req_id,
-                            Attr.REMOTE_ENGINE_ID: peer_str(reg_data.get("remote_engine_id", "")),
-                            Attr.SERVER_ADDRESS: peer_str(reg_data.get("remote_host", "")),
-                            Attr.SERVER_PORT: port if type(port) is int else 0})
+                attributes=lambda: _register_attributes(req_id, reg_data))
             if span is not None and span.is_recording():
                 self._register_spans.put(req_id, span)
         if PUSH_REG_TRACE_KEY not in reg_data:

@@ -65,6 +65,7 @@ class ObservedPromMetrics(NixlPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.dropped_records = 0
         self._ours: dict[str, Any] = {}
+        self._children: dict[tuple[str, int, tuple[str, ...]], Any] = {}
         for spec in V.ALL_METRICS:
             self._ours[spec.name] = self._make(spec, list(labelnames))
         # Pre-create the series dashboards and alerts rely on, so rates start at 0
@@ -160,8 +161,15 @@ class ObservedPromMetrics(NixlPromMetrics):
                                    labelnames=labels, buckets=list(spec.buckets))
 
     def _child(self, spec: MetricSpec, engine_idx: int, *values: str) -> Counter | Gauge | Histogram:
-        base = self.per_engine_labelvalues[engine_idx]
-        return self._ours[spec.name].labels(*base, *values)
+        """The bound child of a series, made once (label values here are closed sets, so
+        the cache is bounded by the vocabulary's series bound): `labels()` validates and
+        looks up under a lock on every call, several per request."""
+        key = (spec.name, engine_idx, values)
+        child = self._children.get(key)
+        if child is None:
+            base = self.per_engine_labelvalues[engine_idx]
+            child = self._children[key] = self._ours[spec.name].labels(*base, *values)
+        return child
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         # Stock keys first (a stock-shaped dict works unchanged).
@@ -203,20 +211,7 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._child(spec, idx, *label).inc(total)
             except Exception:
                 self._drop(key, values, idx)
-        labelled = (
-            (StatKey.HANDSHAKE_RETRIES, V.HANDSHAKE_RETRIES, V.Direction),
-            (StatKey.PUSH_REG_REJECTED, V.PUSH_REG_REJECTED, V.PushRegRejection),
-            (StatKey.TELEMETRY_ERRORS, V.TELEMETRY_ERRORS, V.TelemetryError),
-            (StatKey.SIDE_CHANNEL_REJECTED, V.SIDE_CHANNEL_REJECTED, V.SideChannelRejection),
-            (StatKey.LEASE_RENEWALS, V.KV_LEASE_RENEWALS, V.LeaseRenewal),
-            (StatKey.LEASE_EXPIRIES, V.KV_LEASE_EXPIRIES, V.LeaseFate),
-            (StatKey.PEER_RESTARTS, V.PEER_RESTARTS, V.Direction),
-            (StatKey.RECEIVE_FAILURES, V.RECEIVE_FAILURES, V.ReceiveFailure),
-            (StatKey.WRITE_ABORTS, V.WRITE_ABORTS, V.WriteAbort),
-            (StatKey.RECEIVES_ABANDONED, V.RECEIVES_ABANDONED, V.ReceiveAbandon),
-            (StatKey.PEERS_FORGOTTEN, V.PEERS_FORGOTTEN, V.Direction),
-        )
-        for key, spec, closed in labelled:
+        for key, spec, closed in _LABELLED:
             values = data.get(key)
             if not values:
                 continue
@@ -324,12 +319,30 @@ class ObservedPromMetrics(NixlPromMetrics):
             self._child(V.DESCRIPTORS_SAVED, idx, direction).inc(saved_descs)
 
     def _observe_receive(self, rec: dict[str, Any], idx: int) -> None:
-        outcome = V.ReceiveOutcome(rec["outcome"]).value
+        outcome = _RECEIVE_OUTCOMES[rec["outcome"]]  # (a value outside the closed set raises)
         duration = float(rec["duration"])
         if duration < 0:
             raise ValueError("negative receive duration")
         observe(self._child(V.RECEIVE_DURATION, idx, outcome), duration,
                 exemplar_of(rec.get("trace_id"), rec.get("span_id")))
+
+# Stats keys whose records are one closed label value each: (key, metric, the closed set).
+_LABELLED = (
+    (StatKey.HANDSHAKE_RETRIES, V.HANDSHAKE_RETRIES, V.Direction),
+    (StatKey.PUSH_REG_REJECTED, V.PUSH_REG_REJECTED, V.PushRegRejection),
+    (StatKey.TELEMETRY_ERRORS, V.TELEMETRY_ERRORS, V.TelemetryError),
+    (StatKey.SIDE_CHANNEL_REJECTED, V.SIDE_CHANNEL_REJECTED, V.SideChannelRejection),
+    (StatKey.LEASE_RENEWALS, V.KV_LEASE_RENEWALS, V.LeaseRenewal),
+    (StatKey.LEASE_EXPIRIES, V.KV_LEASE_EXPIRIES, V.LeaseFate),
+    (StatKey.PEER_RESTARTS, V.PEER_RESTARTS, V.Direction),
+    (StatKey.RECEIVE_FAILURES, V.RECEIVE_FAILURES, V.ReceiveFailure),
+    (StatKey.WRITE_ABORTS, V.WRITE_ABORTS, V.WriteAbort),
+    (StatKey.RECEIVES_ABANDONED, V.RECEIVES_ABANDONED, V.ReceiveAbandon),
+    (StatKey.PEERS_FORGOTTEN, V.PEERS_FORGOTTEN, V.Direction),
+)
+# A receive's outcome, validated by one lookup (one record per request).
+_RECEIVE_OUTCOMES = {outcome.value: outcome.value for outcome in V.ReceiveOutcome}
+
 
 def _push_fail(value: Any) -> tuple[str, str]:
     reason, outcome = str(value).split("|")

@@ -15,7 +15,7 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -269,21 +269,40 @@ class SpanEmitter:
         # A plain attribute, not a property: the push path tests it per request and step.
         self.enabled = tracer is not None
 
-    def start(self, name: str, parent: Any = None, attributes: Mapping[str, Any] | None = None,
-              kind: SpanKind = SpanKind.INTERNAL, links: list[Link] | None = None) -> Any:
+    def start(self, name: str, parent: Any = None,
+              attributes: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
+              kind: SpanKind = SpanKind.INTERNAL,
+              links: list[Link] | Callable[[], list[Link]] | None = None) -> Any:
         """Start a span as a child of `parent` (a span: ours, or a remote one from
         `extract_span`); a None parent makes a root span, never the thread's current
-        span. The provider's sampler decides as for any SDK span."""
+        span. The provider's sampler decides as for any SDK span.
+
+        `attributes` and `links` may be callables: the per-request spans pass them so,
+        and they are built only for a span that records (most spans do not record when
+        the sampler keeps a share of the traces; the sampler then decides without them,
+        which the SDK's samplers never look at)."""
         if self.tracer is None:
             return None
         try:
             context = (otel_context.Context() if parent is None
                        else trace.set_span_in_context(parent))
-            return self.tracer.start_span(name, context=context, kind=kind,
-                                          attributes=attributes, links=links)
+            lazy = callable(attributes) or callable(links)
+            if not lazy:
+                return self.tracer.start_span(name, context=context, kind=kind,
+                                              attributes=attributes, links=links)
+            span = self.tracer.start_span(name, context=context, kind=kind)
         except Exception as exc:
             errors.note(TelemetryError.SPAN, exc)
             return None
+        try:
+            if span.is_recording():
+                if attributes:
+                    span.set_attributes(attributes() if callable(attributes) else attributes)
+                for link in (links() if callable(links) else links) or ():
+                    span.add_link(link.context, link.attributes)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
+        return span
 
     @staticmethod
     def end(span: Any, error_type: str | None = None, message: str = "",
