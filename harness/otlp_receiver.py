@@ -59,9 +59,14 @@ class _Store:
     `hold` (an Event) keeps every export waiting until it is set (a stuck back-end), and
     `attempts`/`in_progress` count export calls, answered or not."""
 
-    def __init__(self, delay_s: float = 0.0, hold: threading.Event | None = None) -> None:
+    def __init__(self, delay_s: float = 0.0, hold: threading.Event | None = None,
+                 count_only: bool = False) -> None:
         self.lock = threading.Lock()
         self.spans: list[dict[str, Any]] = []
+        # count_only: spans are counted by instrumentation scope, not decoded or kept (a
+        # receiver beside a CPU measurement must cost little).
+        self.count_only = count_only
+        self.by_scope: collections.Counter[str] = collections.Counter()
         self.requests = 0
         self.last_requests: collections.deque[Any] = collections.deque(maxlen=64)  # as received
         self.attempts = 0
@@ -83,6 +88,15 @@ class _Store:
             self.in_progress -= 1
 
     def add(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
+        if self.count_only:
+            counts = collections.Counter()
+            for resource_spans in request.resource_spans:
+                for scope_spans in resource_spans.scope_spans:
+                    counts[scope_spans.scope.name] += len(scope_spans.spans)
+            with self.lock:
+                self.requests += 1
+                self.by_scope.update(counts)
+            return
         spans = decode_request(request)
         with self.lock:
             self.requests += 1
@@ -153,10 +167,10 @@ class OtlpGrpcReceiver(_Store):
     """OTLP/gRPC `TraceService.Export` on `host` (127.0.0.1 by default)."""
 
     def __init__(self, port: int = 0, delay_s: float = 0.0, refuse: bool = False,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", count_only: bool = False):
         import grpc
 
-        super().__init__(delay_s)
+        super().__init__(delay_s, count_only=count_only)
         store = self
 
         class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
