@@ -65,6 +65,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=8, help="requests per engine step")
     ap.add_argument("--repeats", type=int, default=2, help="runs per mode (A/A spread)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also run another checkout of the project (its own copy of this benchmark), "
+                         "interleaved with this one: a before/after measured side by side")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
 
@@ -80,26 +83,48 @@ def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
     if len(cores) > 1:  # the receiver's threads (this process) and the measured child apart
         os.sched_setaffinity(0, cores[:1])
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    trees = {"this": os.getcwd(), **({"baseline": os.path.abspath(args.baseline)} if args.baseline else {})}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {t: {m: [] for m in modes} for t in trees}
     try:
         for rep in range(args.repeats):
-            for mode in modes:  # modes interleaved: drift hits them alike
-                started, before = time.monotonic(), receiver.by_scope[TRACER_NAME]
-                figures = _child_run(mode, args, receiver.port, cores[1:])
-                figures["spans_per_request"] = (receiver.by_scope[TRACER_NAME] - before) / args.requests
-                runs[mode].append(figures)
-                bench.say(f"{mode} run {rep + 1}/{args.repeats}: {args.requests} requests "
-                          f"in {time.monotonic() - started:.1f} s")
+            for mode in modes:  # modes and trees interleaved: drift hits them alike
+                for tree, where in trees.items():
+                    started, before = time.monotonic(), receiver.by_scope[TRACER_NAME]
+                    figures = _child_run(mode, args, receiver.port, cores[1:], where)
+                    figures["spans_per_request"] = (receiver.by_scope[TRACER_NAME] - before) / args.requests
+                    runs[tree][mode].append(figures)
+                    bench.say(f"{mode} ({tree}) run {rep + 1}/{args.repeats}: {args.requests} requests "
+                              f"in {time.monotonic() - started:.1f} s")
     finally:
         receiver.close()
         os.sched_setaffinity(0, cores)
-    result = {"requests": args.requests, "batch": args.batch, "repeats": args.repeats,
-              "modes": {m: _summarise(m, r) for m, r in runs.items()}}
+    result: dict[str, Any] = {"requests": args.requests, "batch": args.batch, "repeats": args.repeats,
+                              "modes": {m: _summarise(m, r) for m, r in runs["this"].items()}}
+    if args.baseline:
+        result["baseline"] = {"dir": trees["baseline"], "commit": _commit_of(trees["baseline"]),
+                              "modes": {m: _summarise(m, r) for m, r in runs["baseline"].items()}}
+        bench.say(f"baseline: {args.baseline} ({result['baseline']['commit']})")
+        _print_table(result["baseline"], bench)
+        bench.say("this checkout:")
     _print_table(result, bench)
+    if args.baseline:
+        for mode, now in result["modes"].items():
+            was = result["baseline"]["modes"][mode]["ours_us"]
+            bench.say(f"{mode}: {now['ours_us']:.1f} us per request, baseline {was:.1f} us "
+                      f"(x{now['ours_us'] / was:.2f})" if was else f"{mode}: no baseline figure")
     return result
 
 
-def _child_run(mode: str, args: argparse.Namespace, port: int, cores: list[int]) -> dict[str, Any]:
+def _commit_of(where: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _child_run(mode: str, args: argparse.Namespace, port: int, cores: list[int],
+               where: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_SERVICE_NAME="telemetry-cost", PYTHONHASHSEED="0")
     if mode != "off":
@@ -109,7 +134,8 @@ def _child_run(mode: str, args: argparse.Namespace, port: int, cores: list[int])
         env.update(_SAMPLED_ENV)
     cmd = [sys.executable, "-m", "benchmarks.telemetry_cost", "--child", mode,
            "--requests", str(args.requests), "--batch", str(args.batch)]
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
+    env["PYTHONPATH"] = where  # (the checkout measured: its connector and its copy of this file)
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=where,
                          preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
