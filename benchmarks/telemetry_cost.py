@@ -135,8 +135,9 @@ def _child_run(mode: str, args: argparse.Namespace, port: int, cores: list[int],
     cmd = [sys.executable, "-m", "benchmarks.telemetry_cost", "--child", mode,
            "--requests", str(args.requests), "--batch", str(args.batch)]
     env["PYTHONPATH"] = where  # (the checkout measured: its connector and its copy of this file)
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=where,
-                         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+    if cores:  # (set by the child itself: a fork with gRPC's threads running here warns)
+        env["TELEMETRY_COST_CORES"] = ",".join(map(str, cores))
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=where)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -429,6 +430,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_arguments(ap)
     args = ap.parse_args()
+    cores = os.environ.get("TELEMETRY_COST_CORES")
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
     print(json.dumps(child(args.child, args.requests, args.batch)), flush=True)
     os._exit(0)  # (the bare workers have no engine for vLLM's finaliser to shut down)
 
