@@ -108,10 +108,18 @@ def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
         bench.say("this checkout:")
     _print_table(result, bench)
     if args.baseline:
+        result["paired_ratio"] = {}
         for mode, now in result["modes"].items():
-            was = result["baseline"]["modes"][mode]["ours_us"]
-            bench.say(f"{mode}: {now['ours_us']:.1f} us per request, baseline {was:.1f} us "
-                      f"(x{now['ours_us'] / was:.2f})" if was else f"{mode}: no baseline figure")
+            was = result["baseline"]["modes"][mode]
+            # Run i of this checkout beside run i of the baseline: the host's speed moves both.
+            ratios = [a / b for a, b in zip(now["ours_runs_us"], was["ours_runs_us"], strict=True) if b]
+            if not ratios:
+                bench.say(f"{mode}: no baseline figure")
+                continue
+            result["paired_ratio"][mode] = statistics.median(ratios)
+            bench.say(f"{mode}: {now['ours_us']:.1f} us per request, baseline {was['ours_us']:.1f} us; "
+                      f"paired runs x{statistics.median(ratios):.2f} "
+                      f"({', '.join(f'x{r:.2f}' for r in ratios)})")
     return result
 
 
