@@ -398,6 +398,8 @@ def test_streamed_ttft_is_taken_at_the_first_event_not_the_end(deploy):
         assert in_flight(dep) == 1
         assert sum(outcomes(dep).values()) == 0
         assert legs_by_outcome(dep)[("decode", "ok")] == 0
+        # P's leg ends when P answers, while D's stream is still open.
+        wait_until(lambda: legs_by_outcome(dep)[("prefill", "ok")] == 1, "P's leg", WAIT_S, 0.01)
         dep.journal.release.set()
         assert [line for line in lines if line][-1] == "data: [DONE]"
     settled(dep, 1)

@@ -431,6 +431,10 @@ class Router:
                     outcome = RouterOutcome.PREFILL_FAILED
                     yield _sse_error(f"prefill leg failed: {p.error or f'HTTP {p.status}'}")
                     return
+                if p_task.done() and p_task.result().ok:
+                    # P's leg ends when P answered, not with D's stream (its latency and
+                    # outcome; the report at the stream's end is then a no-op).
+                    ex.leg_result(p_task.result())
                 if not nxt.done():
                     continue  # P finished fine; keep waiting for D's next chunk
                 done, nxt = nxt, None
