@@ -268,6 +268,11 @@ class SpanEvent(_Vocab):
     LEASE_RENEWED = "nixl.kv_lease.renewed"
     # P's write span, or D's receive span on PUSH_FAIL: the lease expired first.
     LEASE_EXPIRED = "nixl.kv_lease.expired"
+    # P's write span: the stage boundaries of TTFT it does not start or end itself, at
+    # their times: the prefill done (its KV lease granted; before the span's start when
+    # the PUSH_REG came later) and the WRITE posted (the handshake and writer wait over).
+    PREFILL_DONE = "nixl.push.prefill_done"
+    WRITE_POSTED = "nixl.push.write_posted"
 
 
 class Attr:
@@ -298,6 +303,11 @@ class Attr:
     NUM_BLOCKS = "vllm.nixl.push.num_blocks"
     # Seconds the WRITE of a request waited for its P->D handshake (0: it was ready).
     HANDSHAKE_WAIT = "vllm.nixl.push.handshake_wait_s"
+    # D's receive span: seconds from the request's arrival at D until its KV landed or the
+    # receive ended (the figure nixl_push_kv_wait_seconds observed for it).
+    KV_WAIT = "vllm.nixl.push.kv_wait_s"
+    # P's write span: seconds from the prefill done until the WRITE was posted.
+    WRITE_WAIT = "vllm.nixl.push.write_wait_s"
     SERVER_ADDRESS = "server.address"
     SERVER_PORT = "server.port"
     ERROR_TYPE = "error.type"
@@ -338,6 +348,9 @@ TRACE_HEADER_KEYS = ("traceparent", "tracestate")
 # context the request arrived with (the parent of `nixl.push.receive`). vLLM's own
 # code reads the dict by named keys only; a stock P ignores it inside PUSH_REG.
 REGISTRATION_TRACE_KEY = "otel_request_trace_context"
+# Extra key in the same dict: when the request arrived at D (vLLM's `arrival_time`, wall
+# clock), so the worker can observe the whole wait for KV. Never sent in a PUSH_REG.
+REGISTRATION_ARRIVAL_KEY = "nixl_observed_arrival_time"
 # Extra attribute of the `NixlConnectorMetadata` P's scheduler builds each step:
 # {P request id: W3C context} for the requests whose finished blocks it ships.
 METADATA_TRACE_ATTR = "otel_request_trace_contexts"
@@ -498,6 +511,41 @@ RECEIVE_DURATION = MetricSpec(
     "worker until the KV landed, failed, or the registration timed out (expired).",
     unit="s",
     buckets=RECEIVE_BUCKETS,
+)
+# -- where a request's time goes: TTFT by stage (docs/telemetry.md "Where TTFT goes") ------
+# D's wait for KV spans P's queue and prefill, the PUSH_REG, handshakes and the WRITE; P's
+# stages a millisecond (a WRITE on one host) to minutes (a late PUSH_REG, lease-long waits).
+STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                 30.0, 60.0, 120.0, 300.0, 600.0)
+KV_WAIT = MetricSpec(
+    "vllm:nixl_push_kv_wait_seconds",
+    MetricKind.HISTOGRAM,
+    (Label.OUTCOME,),
+    "Time a request on a decode engine waited for its remote KV: from its arrival at the "
+    "engine (vLLM's arrival_time, where vllm:time_to_first_token_seconds starts) until its KV "
+    "landed, the receive failed, or the registration timed out (expired).",
+    unit="s",
+    buckets=STAGE_BUCKETS,
+)
+PUSH_WRITE_WAIT = MetricSpec(
+    "vllm:nixl_push_write_wait_seconds",
+    MetricKind.HISTOGRAM,
+    (),
+    "Time a finished prefill's KV waited on a prefill engine before its WRITE was posted: "
+    "from its KV lease granted (prefill done) until the WRITE started (a PUSH_REG still to "
+    "come, a handshake, the writer busy). Completed pushes only.",
+    unit="s",
+    buckets=STAGE_BUCKETS,
+)
+PUSH_WRITE_DURATION = MetricSpec(
+    "vllm:nixl_push_write_duration_seconds",
+    MetricKind.HISTOGRAM,
+    (),
+    "Time of a completed push on a prefill engine: from the PUSH_REG matched to the finished "
+    "prefill until NIXL reported its WRITE done (includes the write wait when the PUSH_REG "
+    "came first). Completed pushes only.",
+    unit="s",
+    buckets=STAGE_BUCKETS,
 )
 HANDSHAKE_RETRIES = MetricSpec(
     "vllm:nixl_handshake_retries",
@@ -673,6 +721,9 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     PUSH_REG_NOTIFS,
     PUSHES,
     RECEIVE_DURATION,
+    KV_WAIT,
+    PUSH_WRITE_WAIT,
+    PUSH_WRITE_DURATION,
     HANDSHAKE_RETRIES,
     HANDSHAKES_IN_FLIGHT,
     HANDSHAKE_OLDEST_IN_FLIGHT,
@@ -709,7 +760,8 @@ OBSERVED_DEGRADED = MetricSpec(
 
 # Histograms whose observations carry a trace-id exemplar when tracing is on.
 EXEMPLAR_METRICS: tuple[MetricSpec, ...] = (HANDSHAKE_DURATION, HANDSHAKE_PHASE_DURATION,
-                                            RECEIVE_DURATION)
+                                            RECEIVE_DURATION, KV_WAIT, PUSH_WRITE_WAIT,
+                                            PUSH_WRITE_DURATION)
 
 # `outcome` is a different closed set per metric; LABEL_VALUES holds the union.
 METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
@@ -718,6 +770,7 @@ METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (PUSH_REG_NOTIFS.name, Label.OUTCOME): tuple(o.value for o in NotifOutcome),
     (PUSHES.name, Label.OUTCOME): tuple(e.value for e in PushEvent),
     (RECEIVE_DURATION.name, Label.OUTCOME): tuple(r.value for r in ReceiveOutcome),
+    (KV_WAIT.name, Label.OUTCOME): tuple(r.value for r in ReceiveOutcome),
     (PUSH_REG_REJECTED.name, Label.REASON): tuple(r.value for r in PushRegRejection),
     (SIDE_CHANNEL_REJECTED.name, Label.REASON): tuple(r.value for r in SideChannelRejection),
     (TELEMETRY_ERRORS.name, Label.REASON): tuple(t.value for t in TelemetryError),
@@ -770,6 +823,18 @@ STOCK_METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 
+# vLLM's own request metrics that the "Where TTFT goes" row reads beside ours: on a decode
+# engine, vLLM's TTFT starts at the same arrival as nixl_push_kv_wait_seconds.
+VLLM_TTFT = MetricSpec(
+    "vllm:time_to_first_token_seconds",
+    MetricKind.HISTOGRAM,
+    (),
+    "vLLM's time to first token: from the request's arrival at the engine until its first "
+    "token (a decode engine's includes the wait for remote KV).",
+    "s",
+)
+VLLM_REQUEST_METRICS: tuple[MetricSpec, ...] = (VLLM_TTFT,)
+
 
 # ------------------------------------------------------- worker -> frontend stats
 class StatKey:
@@ -781,7 +846,9 @@ class StatKey:
     PUSHES_STARTED = "pushes_started"
     PUSHES_COMPLETED = "pushes_completed"
     PUSHES_FAILED = "pushes_failed"
-    RECEIVES = "receives"
+    RECEIVES = "receives"  # {"outcome", "duration", "kv_wait"?, "trace_id"?, "span_id"?}
+    # P: one per completed push: {"wait": s, "write": s, "trace_id"?, "span_id"?}
+    PUSH_STAGES = "push_stages"
     HANDSHAKE_RETRIES = "handshake_retries"  # list of direction values
     PUSH_REG_REJECTED = "push_reg_rejected"  # list of PushRegRejection values
     TELEMETRY_ERRORS = "telemetry_errors"  # list of TelemetryError values
@@ -814,6 +881,7 @@ OUR_STAT_KEYS = (
     StatKey.PUSHES_COMPLETED,
     StatKey.PUSHES_FAILED,
     StatKey.RECEIVES,
+    StatKey.PUSH_STAGES,
     StatKey.HANDSHAKE_RETRIES,
     StatKey.PUSH_REG_REJECTED,
     StatKey.TELEMETRY_ERRORS,

@@ -51,8 +51,10 @@ def _value_errors(where: str, metric: str, label: str, op: str, value: str,
             f"{metric or label} {sorted(allowed)}" for v in values if v not in allowed]
 
 
-def check_expr(expr: str, where: str, *, allow_variables: bool) -> list[str]:
-    """Names in one query: metrics, labels and label values from the vocabulary; windows."""
+def check_expr(expr: str, where: str, *, allow_variables: bool,
+               recorded: frozenset[str] = frozenset()) -> list[str]:
+    """Names in one query: metrics (or series `recorded` by our rules), labels and label
+    values from the vocabulary; windows."""
     index = series_index()
     try:
         names = promql.metric_names(expr)
@@ -60,7 +62,7 @@ def check_expr(expr: str, where: str, *, allow_variables: bool) -> list[str]:
     except promql.PromQLError as exc:
         return [f"{where}: {exc}"]
     errors = [f"{where}: metric {name!r} is not defined in connector.vocabulary "
-              "(ALL_METRICS or STOCK_METRICS)" for name in sorted(names - index.keys())]
+              "(ALL_METRICS or STOCK_METRICS)" for name in sorted(names - index.keys() - recorded)]
     all_labels = BASE_LABELS | VOCAB_LABELS | {"le"}
     for m in promql.matchers(expr):
         spec = index.get(m.metric)
@@ -275,13 +277,15 @@ def check_perses(grafana: dict[str, Any], resources: list[dict[str, Any]]) -> li
 def check_rules(rules: dict[str, Any]) -> list[str]:
     errors: list[str] = []
     names: set[str] = set()
-    for group in rules.get("groups", []):
-        for rule in group.get("rules", []):
-            name = rule.get("alert") or rule.get("record")
-            if name in names:
-                errors.append(f"rule {name}: duplicate name")
-            names.add(name)
-            errors += check_expr(rule.get("expr", ""), f"rule {name}", allow_variables=False)
+    every = [rule for group in rules.get("groups", []) for rule in group.get("rules", [])]
+    recorded = frozenset(rule["record"] for rule in every if rule.get("record"))
+    for rule in every:
+        name = rule.get("alert") or rule.get("record")
+        if name in names:
+            errors.append(f"rule {name}: duplicate name")
+        names.add(name)
+        errors += check_expr(rule.get("expr", ""), f"rule {name}", allow_variables=False,
+                             recorded=recorded)
     return errors
 
 

@@ -25,6 +25,7 @@ from dashboards.queries import (
     NOTIF_ONLY,
     QUEUE_WAIT,
     RATE,
+    RECEIVE_SUCCESS,
     RENEWED,
     ROUTER_OK,
     STILL_WANTED,
@@ -34,6 +35,7 @@ from dashboards.queries import (
     gauge,
     hcount,
     hsum,
+    on_decoders,
     quantile,
     range_change,
     sel,
@@ -392,6 +394,104 @@ def _push_flow() -> list[Cell]:
     ]
 
 
+TTFT_ROW = "Where TTFT goes"
+
+
+def _decoder_ttft(part: str, window: str | None) -> str:
+    """Sum of vLLM's TTFT `part` (`hsum`/`hcount`) over the decode engines: exact over the
+    range (`window` None) or as a rate over `window`."""
+    ttft, waits = sel(part(V.VLLM_TTFT)), sel(hcount(V.KV_WAIT))
+    if window is None:
+        return f"sum({on_decoders(range_change(ttft), range_change(waits))})"
+    return f"sum({on_decoders(f'rate({ttft}[{window}])', f'rate({waits}[{window}])')})"
+
+
+def kv_wait_share(window: str | None) -> str:
+    """Seconds decode engines waited for KV over seconds of their TTFT (all outcomes: a
+    failed receive's recompute is in its TTFT too); exact over the range when `window` is None."""
+    waited = (changed(hsum(V.KV_WAIT)) if window is None
+              else f"sum(rate({sel(hsum(V.KV_WAIT))}[{window}]))")
+    return f"{waited} / ({_decoder_ttft(hsum, window)} > 0)"
+
+
+def _ttft() -> list[Cell]:
+    wait, pwait, pwrite = V.KV_WAIT, V.PUSH_WRITE_WAIT, V.PUSH_WRITE_DURATION
+    nan_note = "Windows without requests are dropped (`>= 0`)."
+    stages = ("A request's TTFT on a decode engine is its wait for KV (arrival at D until the "
+              "pushed KV landed: P's queue and prefill, the PUSH_REG, handshakes, the WRITE) and "
+              "then D's own work until the first token. On the prefill engine the handoff is the "
+              "wait from prefill done to the WRITE posted, and the WRITE from the PUSH_REG matched "
+              "until done.")
+
+    def mean(spec: MetricSpec, *matchers: str) -> str:
+        return f"{changed(hsum(spec), *matchers)} / ({changed(hcount(spec), *matchers)} > 0)"
+
+    def rate_mean(sum_expr: str, count_expr: str) -> str:
+        return f"{sum_expr} / ({count_expr} > 0)"
+
+    def rate_of(series: str, *matchers: str) -> str:
+        return f"sum(rate({sel(series, *matchers)}[{RATE}]))"
+
+    return [
+        Cell(bargauge("Mean TTFT by stage (range)",
+                      f"{stages} Means per request over the dashboard range: the change of each "
+                      "histogram's _sum divided by the change of its _count (denominator guarded "
+                      "with > 0). D's TTFT is vLLM's own, over the decode engines only (engines "
+                      "whose KV waits moved); the client's TTFT is on the Router row." + EXACT_NOTE,
+                      [target(mean(wait, RECEIVE_SUCCESS), "D: wait for KV (arrival -> KV landed)"),
+                       target(f"{_decoder_ttft(hsum, None)} / ({_decoder_ttft(hcount, None)} > 0)",
+                              "D: TTFT (vLLM)"),
+                       target(mean(pwait), "P: prefill done -> WRITE posted"),
+                       target(mean(pwrite), "P: PUSH_REG matched -> WRITE done")],
+                      "s", no_value="no requests in range"), 14, 6, headline=True),
+        Cell(stat("Share of D's TTFT spent waiting for KV (range)",
+                  "Seconds decode engines spent waiting for remote KV over the seconds of their "
+                  "requests' TTFT, over the dashboard range (every receive outcome: a failed "
+                  "receive's recompute is in its TTFT too). Shows 'no requests' when no decode "
+                  "engine served one (a guarded denominator instead of NaN)." + EXACT_NOTE,
+                  kv_wait_share(None), "percentunit",
+                  steps=thresholds(("green", None), ("orange", rules.KV_WAIT_SHARE_FLOOR)),
+                  no_value="no requests", decimals=1), 10, 6, headline=True),
+        Cell(timeseries("D: wait for KV p50 / p95 / p99 by outcome",
+                        "Per request on a decode engine: from its arrival (vLLM's arrival_time, "
+                        "where vLLM's TTFT starts) until its KV landed (success), the receive "
+                        "failed (failure) or expired. The push receive latency on the Push flow "
+                        f"row starts later, at the registration. {nan_note}",
+                        [target(quantile(q, wait, (Label.OUTCOME,), RATE),
+                                f"p{round(q * 100)} {{{{outcome}}}}") for q in (0.5, 0.95, 0.99)],
+                        "s", exemplars=True), 12, 8),
+        Cell(timeseries("Mean TTFT on D: waiting for KV, then D's own work",
+                        "Mean TTFT of decode engines split in two, stacked: the wait for KV, and "
+                        "the rest of vLLM's TTFT (D's queue after the KV landed and its first "
+                        f"step). {nan_note}",
+                        [target(rate_mean(rate_of(hsum(wait)), rate_of(hcount(wait))), "waiting for KV"),
+                         target(f"{rate_mean(_decoder_ttft(hsum, RATE), _decoder_ttft(hcount, RATE))} - "
+                                f"{rate_mean(rate_of(hsum(wait)), rate_of(hcount(wait)))}",
+                                "after the KV landed")],
+                        "s", stacked=True), 12, 8),
+        Cell(timeseries("P: prefill done -> WRITE posted p50 / p95 / p99",
+                        "Per completed push on a prefill engine: from its KV lease granted (prefill "
+                        "done) until its WRITE was posted. Long when decoders register late (their "
+                        f"own queue), a handshake runs first, or the writer is busy. {nan_note}",
+                        [target(quantile(q, pwait, (), RATE), f"p{round(q * 100)}")
+                         for q in (0.5, 0.95, 0.99)],
+                        "s", exemplars=True), 8, 8),
+        Cell(timeseries("P: PUSH_REG matched -> WRITE done p50 / p95 / p99",
+                        "Per completed push on a prefill engine: from the decoder's PUSH_REG "
+                        "matched to the finished prefill until NIXL reported the WRITE done "
+                        f"(the transfer itself, and any handshake before it). {nan_note}",
+                        [target(quantile(q, pwrite, (), RATE), f"p{round(q * 100)}")
+                         for q in (0.5, 0.95, 0.99)],
+                        "s", exemplars=True), 8, 8),
+        Cell(timeseries("Share of D's TTFT spent waiting for KV",
+                        "Seconds decode engines spent waiting for KV per second of their TTFT, over "
+                        "the rate window: what the NixlKvWaitShareRising alert watches (per engine, "
+                        f"over 5m). {nan_note}",
+                        [target(kv_wait_share(RATE), "KV-wait share")],
+                        "percentunit", max_value=1), 8, 8),
+    ]
+
+
 def _leases() -> list[Cell]:
     renewals, expiries = total(V.KV_LEASE_RENEWALS), total(V.KV_LEASE_EXPIRIES)
     expired_stock = next(s for s in V.STOCK_METRICS if s.name == "vllm:nixl_num_kv_expired_reqs")
@@ -694,6 +794,7 @@ ROUTER_ROW = "Router (requires python -m connector.router)"
 STOCK_ROW = "NIXL transfers (requires NixlConnector)"
 ROWS: tuple[tuple[str, bool, Callable[[], list[Cell]]], ...] = (
     ("Overview", False, _overview),
+    (TTFT_ROW, False, _ttft),
     ("Handshakes", False, _handshakes),
     ("Descriptor registrations", False, _descriptors),
     ("Latency and executor queue", False, _latency),

@@ -29,8 +29,9 @@ FLAVOR = (Label.DIRECTION, Label.NOTIF_AGENTS_ONLY)
 
 
 def all_specs() -> tuple[MetricSpec, ...]:
-    """Every metric a query may select: ours, the stock vLLM NIXL metrics we keep, the router's."""
-    return V.ALL_METRICS + V.STOCK_METRICS + V.ROUTER_METRICS
+    """Every metric a query may select: ours, the stock vLLM NIXL metrics we keep, vLLM's
+    TTFT, the router's."""
+    return V.ALL_METRICS + V.STOCK_METRICS + V.VLLM_REQUEST_METRICS + V.ROUTER_METRICS
 
 
 def series_index() -> dict[str, MetricSpec]:
@@ -146,4 +147,12 @@ STILL_WANTED = one_of(Label.FATE, V.LeaseFate.WAITING, V.LeaseFate.REGISTERED)
 UNKNOWN_REQUEST = eq(Label.OUTCOME, V.LeaseRenewal.UNKNOWN_REQUEST)
 RENEWED = eq(Label.OUTCOME, V.LeaseRenewal.RENEWED)
 ROUTER_OK = eq(Label.OUTCOME, V.RouterOutcome.OK)
+# The labels one engine's series share (vLLM's TTFT joins our KV wait on them).
+ENGINE_KEY = "on (" + ", ".join(INSTANCE) + ")"
+
+
+def on_decoders(expr: str, kv_wait_count: str) -> str:
+    """`expr` (per engine) kept only for engines whose KV waits `kv_wait_count` moved: the
+    decode engines (a prefill engine's vLLM TTFT is its own prefill, not a decoder's)."""
+    return f"({expr} and {ENGINE_KEY} ({kv_wait_count} > 0))"
 LEG_OK = eq(Label.OUTCOME, V.LegOutcome.OK)

@@ -25,6 +25,7 @@ from dashboards.queries import (
     by,
     eq,
     hcount,
+    hsum,
     one_of,
     quantile,
     sel,
@@ -54,6 +55,15 @@ REMOTE_PREFILL_WAIT_THRESHOLD_S = 120
 # failed on a leg (bad bodies and clients that went away are not the deployment's fault).
 ROUTER_ERROR_RATIO_THRESHOLD = 0.05
 ROUTER_WINDOW = "10m"
+# The share of decode engines' TTFT spent waiting for KV: an alert when, for 15 minutes, it is
+# at least this high and this many points above its own mean over the 6 hours that ended an
+# hour before (so the rise itself is not in the baseline while the alert decides).
+KV_WAIT_SHARE_FLOOR = 0.5
+KV_WAIT_SHARE_RISE = 0.15
+KV_WAIT_SHARE_BASELINE = "6h"
+KV_WAIT_SHARE_BASELINE_ENDS = "1h"
+KV_WAIT_SHARE_FOR = "15m"
+KV_WAIT_SHARE_RECORD = "instance:vllm_nixl_push_kv_wait:ttft_share_rate5m"
 
 
 def s(series: str, *matchers: str) -> str:
@@ -164,6 +174,27 @@ def _router_alerts() -> list[dict[str, Any]]:
     ]
 
 
+def _ttft_alerts() -> list[dict[str, Any]]:
+    """TTFT shifts to waiting for KV: the prefill side (queue, prefill, handoff) slowed."""
+    share, base = KV_WAIT_SHARE_RECORD, KV_WAIT_SHARE_BASELINE
+    return [
+        {"alert": "NixlKvWaitShareRising",
+         "expr": f"{share} - avg_over_time({share}[{base}] offset {KV_WAIT_SHARE_BASELINE_ENDS})\n"
+                 f"> {KV_WAIT_SHARE_RISE}\nand\n{share} > {KV_WAIT_SHARE_FLOOR}",
+         "for": KV_WAIT_SHARE_FOR,
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "TTFT on {{ $labels.instance }} goes more and more to waiting for KV",
+             "description": "The share of decode engine {{ $labels.instance }}'s TTFT spent "
+                            "waiting for KV from a prefill engine rose by {{ $value | "
+                            f"humanizePercentage }}}} (points) over its mean of the {base} that ended "
+                            f"{KV_WAIT_SHARE_BASELINE_ENDS} ago (threshold {KV_WAIT_SHARE_RISE:.0%}, "
+                            f"with at least {KV_WAIT_SHARE_FLOOR:.0%} of TTFT waiting). The "
+                            "prefill side slowed: its queue, its prefill, or the handoff (see the "
+                            "Where TTFT goes row, and an exemplar's trace for one slow request)."}},
+    ]
+
+
 def build_rules() -> dict[str, Any]:
     """The rule groups: recording rules, then alerts (one per engine: `INSTANCE`)."""
     dur_count, hs_total = hcount(V.HANDSHAKE_DURATION), total(V.HANDSHAKES)
@@ -188,6 +219,9 @@ def build_rules() -> dict[str, Any]:
         {"record": "instance:vllm_nixl_push_receive_duration_seconds:p99_rate5m",
          "expr": quantile(0.99, V.RECEIVE_DURATION, (*INSTANCE, Label.OUTCOME), "5m",
                           scoped=False, multiline=True)},
+        {"record": KV_WAIT_SHARE_RECORD,
+         "expr": f"sum {by(*INSTANCE)} (rate({hsum(V.KV_WAIT)}[5m]))\n/\n"
+                 f"(sum {by(*INSTANCE)} (rate({hsum(V.VLLM_TTFT)}[5m])) > 0)"},
         {"record": "instance:vllm_nixl_descriptors_saved:rate5m",
          "expr": f"sum {by(*INSTANCE, Label.DIRECTION)} (\n  rate({total(V.DESCRIPTORS_SAVED)}[5m])\n)"},
     ]
@@ -294,6 +328,7 @@ def build_rules() -> dict[str, Any]:
         *_peer_alerts(),
         *_push_state_alerts(),
         *_router_alerts(),
+        *_ttft_alerts(),
     ]
     return {"groups": [
         {"name": "nixl-push.recording", "rules": recording},

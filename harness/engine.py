@@ -317,6 +317,7 @@ class Engine(FaultCommands, InstrumentCommands):
         they go into the registration the way our scheduler puts them there.
         """
         from connector.glue.scheduler import stage_trace_context
+        from connector.vocabulary import REGISTRATION_ARRIVAL_KEY
 
         reg = {
             "request_id": req_id, "decode_engine_id": self.spec.engine_id,
@@ -332,6 +333,9 @@ class Engine(FaultCommands, InstrumentCommands):
                   "pp_size": prefill.get("pp_size", 1)}
         if trace_headers:
             stage_trace_context(reg, trace_headers)
+        # The request arrived now, as far as this D knows (vLLM's `arrival_time`, which our
+        # scheduler puts into the registration): the start of its wait for KV.
+        reg[REGISTRATION_ARRIVAL_KEY] = time.time()
         self.pending_meta.push_registrations[req_id] = reg
         self.pending_meta.add_new_req_to_recv(req_id, (list(block_ids),), params)
         if with_heartbeat:

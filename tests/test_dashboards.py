@@ -304,6 +304,19 @@ def test_required_panels_exist() -> None:
     has("Leg latency p50 / p95 by leg", "nixl_router_leg_duration_seconds_bucket", 'outcome="ok"')
     has("Router requests in flight", "nixl_router_requests_in_flight")
     has("Legs cancelled/s by leg and reason", "nixl_router_legs_cancelled_total", "by (leg, reason)")
+    # Where TTFT goes: vLLM's TTFT only of the engines whose KV waits moved (the decoders).
+    decoders_only = "and on (job, instance, model_name, engine) (rate(vllm:nixl_push_kv_wait_seconds_count"
+    has("Mean TTFT by stage (range)", 'vllm:nixl_push_kv_wait_seconds_sum{', 'outcome="success"',
+        "vllm:nixl_push_write_wait_seconds_sum", "vllm:nixl_push_write_duration_seconds_count",
+        "vllm:time_to_first_token_seconds_count", "offset $__range",
+        "and on (job, instance, model_name, engine) (((vllm:nixl_push_kv_wait_seconds_count")
+    has("Share of D's TTFT spent waiting for KV", "vllm:nixl_push_kv_wait_seconds_sum",
+        "rate(vllm:time_to_first_token_seconds_sum", decoders_only)
+    has("D: wait for KV p50 / p95 / p99 by outcome", "vllm:nixl_push_kv_wait_seconds_bucket",
+        "by (le, outcome)")
+    has("P: prefill done -> WRITE posted p50 / p95 / p99", "vllm:nixl_push_write_wait_seconds_bucket")
+    has("P: PUSH_REG matched -> WRITE done p50 / p95 / p99",
+        "vllm:nixl_push_write_duration_seconds_bucket")
     # The router's series have no model_name or engine: its panels are scoped by job and instance.
     for title in panels.row_titles(panels.ROUTER_ROW):
         for expr in exprs[title]:
@@ -320,7 +333,10 @@ def test_latency_panels_show_exemplars_linked_to_jaeger() -> None:
     assert with_exemplars == {"Handshake latency p50 / p95 / p99 by flavor",
                               "Executor queue wait p50 / p95 / p99", "Per-phase latency p95",
                               "KV receive latency p50 / p95 / p99 by outcome",
-                              "Client TTFT p50 / p95 / p99", "Leg latency p50 / p95 by leg"}
+                              "Client TTFT p50 / p95 / p99", "Leg latency p50 / p95 by leg",
+                              "D: wait for KV p50 / p95 / p99 by outcome",
+                              "P: prefill done -> WRITE posted p50 / p95 / p99",
+                              "P: PUSH_REG matched -> WRITE done p50 / p95 / p99"}
     for panel in panels.iter_panels(dashboard):
         if panel["title"] in with_exemplars:
             [link] = panel["fieldConfig"]["defaults"]["links"]
@@ -429,7 +445,7 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
                       "NixlHandshakeStuck", "NixlPushRegRejected",
                       "NixlKvLeaseExpiredWhileWanted", "NixlHeartbeatsMatchNothing", "NixlPeerRestarted",
                       "NixlRemotePrefillWaitingLong", "NixlRouterLegErrorRatioHigh",
-                      "NixlPushWriteAbortFailed"}
+                      "NixlPushWriteAbortFailed", "NixlKvWaitShareRising"}
     assert firing == alerts and quiet == alerts
 
 

@@ -74,6 +74,56 @@ def test_receive_histogram_by_outcome_with_exemplar_in_openmetrics():
     assert labels["outcome"] == "success" and labels["le"] == "0.05"  # the bucket it fell in
 
 
+def test_ttft_stages_observed_with_their_exemplars():
+    """D's wait for KV rides in the receive record (same outcome, same span); P's two
+    stages in one record per completed push (its write span)."""
+    fe = frontend()
+    stats = ObservedNixlStats()
+    stats.record_receive("success", 0.042, (TRACE, SPAN), kv_wait=0.3)
+    stats.record_receive("expired", 480.0, None, kv_wait=481.0)
+    stats.record_receive("failure", 1.5, None)  # no arrival known: no wait observed
+    stats.record_push_stages(0.02, 0.07, (TRACE, PHASE_SPAN))
+    stats.record_push_stages(0.5, 0.001, None)
+    fe.observe([stats.to_dict()])
+    wait = V.KV_WAIT.name
+    assert fe.sample(wait + "_count", {"outcome": "success"}) == 1
+    assert fe.sample(wait + "_sum", {"outcome": "success"}) == pytest.approx(0.3)
+    assert fe.sample(wait + "_sum", {"outcome": "expired"}) == pytest.approx(481.0)
+    assert fe.sample(wait + "_count", {"outcome": "failure"}) == 0
+    assert fe.sample(V.PUSH_WRITE_WAIT.name + "_count", {}) == 2
+    assert fe.sample(V.PUSH_WRITE_WAIT.name + "_sum", {}) == pytest.approx(0.52)
+    assert fe.sample(V.PUSH_WRITE_DURATION.name + "_sum", {}) == pytest.approx(0.071)
+    text = fe.exposition(openmetrics=True)
+    [(labels, ex, value)] = exemplars(text, wait)
+    assert ex == {"trace_id": TRACE, "span_id": SPAN} and labels["le"] == "0.5" and value == 0.3
+    [(labels, ex, _)] = exemplars(text, V.PUSH_WRITE_WAIT.name)
+    assert ex == {"trace_id": TRACE, "span_id": PHASE_SPAN} and labels["le"] == "0.025"
+    [(labels, ex, _)] = exemplars(text, V.PUSH_WRITE_DURATION.name)
+    assert ex == {"trace_id": TRACE, "span_id": PHASE_SPAN} and labels["le"] == "0.1"
+
+
+@pytest.mark.parametrize("record", [
+    {"wait": -0.1, "write": 0.1}, {"wait": 0.1}, {"wait": "x", "write": 0.1}])
+def test_a_malformed_push_stages_record_is_dropped_whole_and_counted(record):
+    fe = frontend()
+    stats = ObservedNixlStats()
+    stats.data[V.StatKey.PUSH_STAGES] = [record, {"wait": 0.2, "write": 0.3}]
+    fe.observe([stats.to_dict()])
+    assert fe.sample(V.PUSH_WRITE_WAIT.name + "_count", {}) == 1  # only the good one
+    assert fe.sample(V.PUSH_WRITE_DURATION.name + "_count", {}) == 1
+    assert fe.sample(V.TELEMETRY_ERRORS.series_names[0], {"reason": "malformed_record"}) == 1
+
+
+def test_a_negative_kv_wait_drops_its_receive_record_whole():
+    fe = frontend()
+    stats = ObservedNixlStats()
+    stats.record_receive("success", 0.1, None, kv_wait=-1.0)
+    fe.observe([stats.to_dict()])
+    assert fe.sample(V.RECEIVE_DURATION.name + "_count", {"outcome": "success"}) == 0
+    assert fe.sample(V.KV_WAIT.name + "_count", {"outcome": "success"}) == 0
+    assert fe.sample(V.TELEMETRY_ERRORS.series_names[0], {"reason": "malformed_record"}) == 1
+
+
 def test_handshake_duration_and_phase_exemplars_point_at_their_spans():
     fe = frontend()
     stats = ObservedNixlStats()

@@ -133,6 +133,21 @@ def _one(name: str, **where: str | tuple[str, ...]) -> Callable[[Samples], dict[
     return lambda samples: total_of(samples, name, **where)
 
 
+def _mean_of(spec: V.MetricSpec, **where: str) -> Callable[[Samples], dict[tuple[str, ...], float]]:
+    def mean(samples: Samples) -> dict[tuple[str, ...], float]:
+        n = total_of(samples, spec.name + "_count", **where).get((), 0.0)
+        return {(): total_of(samples, spec.name + "_sum", **where)[()] / n} if n else {}
+    return mean
+
+
+def _no_vllm_ttft(samples: Samples) -> dict[tuple[str, ...], float]:
+    """The harness's front ends export the connector's metrics, not vLLM's request metrics:
+    the panels reading vLLM's TTFT show nothing here (tests/test_e2e_serve.py checks them
+    against real engines)."""
+    assert not total_of(samples, V.VLLM_TTFT.name + "_count")
+    return {}
+
+
 # What each headline panel (title, query refId) must show: its count from the engines'
 # /metrics, as {label values of the panel's grouping: value}.
 Truth = Callable[[Samples], dict[tuple[str, ...], float]]
@@ -154,6 +169,11 @@ HEADLINE_TRUTH: dict[tuple[str, str], tuple[tuple[str, ...], Truth]] = {
     ("Heartbeat ids matching nothing", "A"): (
         (), _one(V.KV_LEASE_RENEWALS.series_names[0], outcome=V.LeaseRenewal.UNKNOWN_REQUEST.value)),
     ("Peers that restarted", "A"): ((), _one(V.PEER_RESTARTS.series_names[0])),
+    ("Mean TTFT by stage (range)", "A"): ((), _mean_of(V.KV_WAIT, outcome=V.ReceiveOutcome.SUCCESS.value)),
+    ("Mean TTFT by stage (range)", "B"): ((), _no_vllm_ttft),
+    ("Mean TTFT by stage (range)", "C"): ((), _mean_of(V.PUSH_WRITE_WAIT)),
+    ("Mean TTFT by stage (range)", "D"): ((), _mean_of(V.PUSH_WRITE_DURATION)),
+    ("Share of D's TTFT spent waiting for KV (range)", "A"): ((), _no_vllm_ttft),
     ("KV leases expired while the decoder waited", "A"): (
         (), _one(V.KV_LEASE_EXPIRIES.series_names[0],
                  fate=(V.LeaseFate.WAITING.value, V.LeaseFate.REGISTERED.value))),
@@ -302,7 +322,16 @@ CORE = {
     "Peers that restarted", "Peer connections dropped/s", "Receives failed/s by reason (D)",
     # Push state: counters and gauges created at 0 at start-up.
     "Receives given up/s (D)", "PUSH_FAILs owed/s (P)", "WRITEs aborted/s (P)", "Peers forgotten",
+    # Where TTFT goes: the connector's own stages.
+    "D: wait for KV p50 / p95 / p99 by outcome", "P: prefill done -> WRITE posted p50 / p95 / p99",
+    "P: PUSH_REG matched -> WRITE done p50 / p95 / p99",
 }
+# Panels that also read vLLM's own TTFT, which the harness's front ends do not export: their
+# other queries show data here, those over vLLM's TTFT nothing (tests/test_e2e_serve.py checks
+# them against real engines).
+WITH_VLLM_TTFT = {"Mean TTFT by stage (range)", "Share of D's TTFT spent waiting for KV (range)",
+                  "Mean TTFT on D: waiting for KV, then D's own work",
+                  "Share of D's TTFT spent waiting for KV"}
 # Panels whose series are born at their first failure: empty in a healthy run.
 QUIET = {"Handshake failures/s by phase and error type"}
 # Panels over series the connector creates at their first event (not at start-up), if
@@ -319,8 +348,9 @@ def test_every_panel_query_parses_and_has_no_nan(run: Run) -> None:
 
 def test_panels_are_classified(run: Run) -> None:
     titles = {q.panel for q in run.busy}
-    assert titles == CORE | QUIET | BORN_LATE
+    assert titles == CORE | QUIET | BORN_LATE | WITH_VLLM_TTFT
     assert not (CORE & QUIET) and not (CORE & BORN_LATE) and not (QUIET & BORN_LATE)
+    assert not (WITH_VLLM_TTFT & (CORE | QUIET | BORN_LATE))
     # A panel may only be excused as born-late if one of its metrics really had no series
     # before the first handshake; once the connector pre-creates them, move it to CORE.
     index = queries.series_index()
@@ -336,6 +366,14 @@ def test_core_panels_return_data(run: Run) -> None:
     for title in CORE:
         for q in (q for q in run.busy if q.panel == title):
             assert q.series, f"{title} {q.ref_id} returned no data: {q.expr}"
+
+
+def test_ttft_panels_show_the_connectors_stages_and_no_vllm_ttft_in_the_harness(run: Run) -> None:
+    for q in (q for q in run.busy if q.panel in WITH_VLLM_TTFT):
+        if V.VLLM_TTFT.name in q.expr:
+            assert q.series == [], (q.panel, q.ref_id)
+        else:
+            assert q.series, f"{q.panel} {q.ref_id} returned no data: {q.expr}"
 
 
 def test_idle_panels_show_zero_or_nothing(run: Run) -> None:

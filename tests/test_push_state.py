@@ -95,6 +95,22 @@ def test_a_push_fail_is_owed_only_once_every_write_of_the_request_settled():
     assert [x.req_id for x in leases.plan_reap(2.0, [p_id("a")])[0]] == [p_id("a")]
 
 
+def test_a_settled_push_carries_its_stage_times_and_a_failed_one_none():
+    """What the TTFT stage figures are made of: when the prefill finished (granted), the
+    PUSH_REG matched (claimed), the WRITE started posting, and the settle."""
+    leases = ledger()
+    leases.grant({p_id("a"): 100.0, p_id("b"): 100.0}, None, 0.0, now=10.0)
+    for base, at in (("a", 11.0), ("b", 11.5)):
+        assert leases.claim(p_id(base), reg(base), None, None, now=at) is None
+        assert leases.begin_post(p_id(base), None, now=at + 1.0) is None
+        leases.posted(p_id(base), handles=1)
+    leases.fail(p_id("b"), PushFailReason.PUSH_FAILED)
+    settled = {x.req_id: x for x in leases.settle([p_id("a")], open_writes=set(), now=14.0)}
+    a, b = settled[p_id("a")], settled[p_id("b")]
+    assert a.pushed and (a.granted, a.claimed, a.posted, a.at) == (10.0, 11.0, 12.0, 14.0)
+    assert not b.pushed and b.at == 0.0  # (a failed push is no stage figure)
+
+
 def test_a_write_vllm_reports_done_before_the_writer_said_posted_is_pushed_not_failed():
     """Found by the load test: vLLM publishes a request's WRITE handles at the end of its
     posting call, so the main thread's poll can find them all done, and vLLM report the

@@ -20,10 +20,11 @@ from connector.telemetry import errors
 from connector.telemetry.in_flight import InFlight
 from connector.telemetry.receives import ReceiveClock
 from connector.telemetry.record import HandshakeRecord
-from connector.telemetry.span_table import BoundedIdSet, SpanTable
+from connector.telemetry.span_table import MAX_TRACKED_REQUESTS, BoundedIdSet, SpanTable
 from connector.telemetry.stats import ObservedNixlStats
 from connector.vocabulary import (
     MAX_PUSH_REG_BYTES,
+    REGISTRATION_ARRIVAL_KEY,
     Direction,
     ErrorType,
     PushRegRejection,
@@ -120,6 +121,27 @@ def test_receive_clock_starts_a_steps_receives_at_one_time():
     clock.start_all(["b", "c"], now=2.0)  # b re-sent: keeps its first start
     assert clock.stop("b", now=4.0) == 3.0 and clock.stop("c", now=4.0) == 2.0
     assert clock.pop_expired(now=11.0) == [("a", 10.0)] and len(clock) == 0
+
+
+def test_receive_clock_measures_the_wait_since_the_requests_arrival():
+    clock = ReceiveClock(timeout_s=10.0)
+    clock.note_arrivals({"a": {REGISTRATION_ARRIVAL_KEY: 100.0}, "b": {},
+                         "c": {REGISTRATION_ARRIVAL_KEY: "x"}})
+    clock.note_arrivals({"a": {REGISTRATION_ARRIVAL_KEY: 105.0}})  # re-sent: its first arrival stands
+    assert clock.since_arrival("a", now_wall=102.5) == 2.5
+    assert clock.since_arrival("a", now_wall=103.0) is None  # forgotten once measured
+    assert clock.since_arrival("b", now_wall=103.0) is None  # no arrival given
+    assert clock.since_arrival("c", now_wall=103.0) is None  # not a float: not taken
+    clock.note_arrivals({"d": {REGISTRATION_ARRIVAL_KEY: 200.0}})
+    assert clock.since_arrival("d", now_wall=199.0) == 0.0  # another host's clock ahead: not negative
+
+
+def test_receive_clock_keeps_a_bounded_number_of_arrivals():
+    clock = ReceiveClock(timeout_s=10.0)
+    clock.note_arrivals({f"r{i}": {REGISTRATION_ARRIVAL_KEY: float(i)}
+                         for i in range(MAX_TRACKED_REQUESTS + 5)})
+    assert clock.since_arrival("r0", now_wall=1e6) is None  # the oldest were dropped
+    assert clock.since_arrival(f"r{MAX_TRACKED_REQUESTS + 4}", now_wall=1e6) is not None
 
 
 def test_registering_again_ends_the_span_it_replaces():

@@ -23,7 +23,12 @@ from vllm.v1.request import Request, RequestStatus
 from connector.glue.connector import NixlPushConnector
 from connector.glue.scheduler import ObservedPushScheduler
 from connector.glue.wire import prompt_digest
-from connector.vocabulary import METADATA_TRACE_ATTR, PUSH_REG_DIGEST_KEY, REGISTRATION_TRACE_KEY
+from connector.vocabulary import (
+    METADATA_TRACE_ATTR,
+    PUSH_REG_DIGEST_KEY,
+    REGISTRATION_ARRIVAL_KEY,
+    REGISTRATION_TRACE_KEY,
+)
 from harness.config import EngineSpec, build_kv_cache_config, build_vllm_config
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -80,11 +85,11 @@ def test_d_registration_carries_the_request_trace_context(configs, headers):
     stock_meta = stock.build_connector_meta(SchedulerOutput.make_empty())
     reg = meta.push_registrations["cmpl-d-1"]
     assert reg[REGISTRATION_TRACE_KEY] == {"traceparent": TRACEPARENT, "tracestate": TRACESTATE}
-    # Everything vLLM put there is unchanged; ours adds the trace context and the
-    # prompt digest (which P checks its match against).
+    # Everything vLLM put there is unchanged; ours adds the trace context, the prompt
+    # digest (which P checks its match against) and the request's arrival.
     stock_reg = stock_meta.push_registrations["cmpl-d-1"]
     assert {k: v for k, v in reg.items()
-            if k not in (REGISTRATION_TRACE_KEY, PUSH_REG_DIGEST_KEY)} == stock_reg
+            if k not in (REGISTRATION_TRACE_KEY, PUSH_REG_DIGEST_KEY, REGISTRATION_ARRIVAL_KEY)} == stock_reg
     assert reg[PUSH_REG_DIGEST_KEY] == prompt_digest(a_request("cmpl-d-1", params).prompt_token_ids)
     assert set(meta.reqs_to_recv) == set(stock_meta.reqs_to_recv) == {"cmpl-d-1"}
     # The metadata crosses to the workers by pickle (vLLM's multiproc executor).
@@ -99,8 +104,19 @@ def test_d_registration_without_a_traceparent_is_stock(configs, headers):
         conn.update_state_after_alloc(a_request("cmpl-d-2", params, headers), blocks(5), 64)
     reg = ours.build_connector_meta(SchedulerOutput.make_empty()).push_registrations["cmpl-d-2"]
     stock_reg = stock.build_connector_meta(SchedulerOutput.make_empty()).push_registrations["cmpl-d-2"]
-    assert {k: v for k, v in reg.items() if k != PUSH_REG_DIGEST_KEY} == stock_reg
+    assert {k: v for k, v in reg.items()
+            if k not in (PUSH_REG_DIGEST_KEY, REGISTRATION_ARRIVAL_KEY)} == stock_reg
     assert REGISTRATION_TRACE_KEY not in reg
+
+
+def test_d_registration_carries_the_requests_arrival(configs):
+    """The start of the request's wait for KV: vLLM's own `arrival_time`, where its TTFT starts."""
+    ours, _ = schedulers(configs, "kv_consumer")
+    req = a_request("cmpl-d-9", {"do_remote_prefill": True, **P_COORDS})
+    req.arrival_time = 1234.5
+    ours.update_state_after_alloc(req, blocks(7), 64)
+    reg = ours.build_connector_meta(SchedulerOutput.make_empty()).push_registrations["cmpl-d-9"]
+    assert reg[REGISTRATION_ARRIVAL_KEY] == 1234.5
 
 
 def test_re_entry_and_non_push_requests_stage_nothing(configs):

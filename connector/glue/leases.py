@@ -34,6 +34,7 @@ from typing import Any
 from connector.glue.flow import Flow
 from connector.glue.wire import parse_heartbeat, sent_at_token
 from connector.telemetry import errors
+from connector.telemetry.tracing import span_ids
 from connector.vocabulary import (
     HEARTBEAT_SENT_AT_PREFIX,
     METADATA_DIGEST_ATTR,
@@ -75,7 +76,8 @@ class LeaseFlow(Flow):
             req_id: (now + (expiry - clock)) if clock else expiry
             for req_id, expiry in metadata.reqs_to_send.items()
             if (req_id in in_batch or req_id in metadata.reqs_in_batch) and req_id not in dropped}
-        leases.grant(deadlines, getattr(metadata, METADATA_DIGEST_ATTR, None), time.monotonic())
+        leases.grant(deadlines, getattr(metadata, METADATA_DIGEST_ATTR, None), time.monotonic(),
+                     now)
         return list(deadlines)
 
     def _note_leases_granted(self, granted: list[str]) -> None:
@@ -164,6 +166,27 @@ class LeaseFlow(Flow):
                 span.add_event(SpanEvent.LEASE_EXPIRED, {Attr.LEASE_FATE: fate.value})
         except Exception as exc:
             errors.note(TelemetryError.SPAN, exc)
+
+    def _record_push_stages(self, settled: Any) -> None:
+        """P, main thread: a completed push's TTFT stages (prefill done -> WRITE posted,
+        PUSH_REG matched -> WRITE done) into the stats, with its write span as exemplar;
+        the span gets the two boundaries it does not mark itself as events."""
+        if not (settled.granted and settled.posted and settled.claimed):
+            return  # pushed by a path the ledger did not see posted: no stages known
+        wait = max(0.0, settled.posted - settled.granted)
+        write = max(0.0, settled.at - settled.claimed)
+        span = self._write_spans.get(settled.req_id) if self._spans.enabled else None
+        ids = None
+        if span is not None and span.is_recording():
+            ids = span_ids(span)
+            # perf_counter -> the span clock (wall ns), both read now.
+            wall_ns, now = time.time_ns(), time.perf_counter()
+            span.add_event(SpanEvent.PREFILL_DONE,
+                           timestamp=wall_ns - int((now - settled.granted) * 1e9))
+            span.add_event(SpanEvent.WRITE_POSTED,
+                           timestamp=wall_ns - int((now - settled.posted) * 1e9))
+            span.set_attribute(Attr.WRITE_WAIT, wait)
+        self.xfer_stats.record_push_stages(wait, write, ids)
 
     def _report_leases(self) -> None:
         """The gauges' snapshot, at most once a second while leases are held, and once

@@ -29,6 +29,7 @@ from connector.vocabulary import (
     PUSH_REG_CAPS_KEY,
     PUSH_REG_SENT_AT_KEY,
     PUSH_REG_TRACE_KEY,
+    REGISTRATION_ARRIVAL_KEY,
     REGISTRATION_TRACE_KEY,
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_REGISTER,
@@ -126,6 +127,7 @@ class ReceiveFlow(Flow):
     def _start_receives(self, registrations: dict[str, dict[str, Any]]) -> None:
         self._receives.start(registrations, time.perf_counter())
         self._receive_clock.start_all(registrations)
+        self._receive_clock.note_arrivals(registrations)
         if self._spans.enabled:
             try:
                 self._open_receive_spans(registrations)
@@ -159,6 +161,7 @@ class ReceiveFlow(Flow):
         # already in it), so the register span's context goes into it in place.
         if PUSH_REG_CAPS_KEY not in reg_data:
             reg_data = {**reg_data, PUSH_REG_CAPS_KEY: OUR_CAPS}
+            reg_data.pop(REGISTRATION_ARRIVAL_KEY, None)  # (D's own: P has no use for it)
         span = None
         if self._spans.enabled and send == 1:  # (a PUSH_REG sent again opens no new span)
             try:

@@ -21,6 +21,9 @@ and D never frees blocks a WRITE can still reach:
   in the step metadata, so the worker gives up their receives (vLLM holds their blocks
   until the worker reports them; upstream that never happens when no KV comes).
 
+D's registration also carries when the request arrived (vLLM's `arrival_time`), so the
+worker observes the request's whole wait for KV, a stage of its TTFT.
+
 It also runs vLLM's side-channel listener under `listener.supervise` (see there): a
 bad request no longer ends the listener, and a port that cannot be bound is an error
 at start-up instead of a scheduler waiting forever; and on D it keeps how long each
@@ -45,6 +48,7 @@ from connector.vocabulary import (
     METADATA_GIVEN_UP_ATTR,
     METADATA_TRACE_ATTR,
     PUSH_REG_DIGEST_KEY,
+    REGISTRATION_ARRIVAL_KEY,
     REGISTRATION_TRACE_KEY,
 )
 
@@ -158,6 +162,9 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
         digest = request_digest(request)
         if digest is not None:
             registration[PUSH_REG_DIGEST_KEY] = digest
+        arrival = getattr(request, "arrival_time", None)
+        if type(arrival) is float:  # the start of its wait for KV (nixl_push_kv_wait_seconds)
+            registration[REGISTRATION_ARRIVAL_KEY] = arrival
         if not request.trace_headers:  # tracing off, or no context sent: no work
             return
         try:

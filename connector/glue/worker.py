@@ -53,6 +53,7 @@ from connector.telemetry.tracing import SpanEmitter, resolve_tracer, span_ids
 from connector.vocabulary import (
     METADATA_GIVEN_UP_ATTR,
     METADATA_TRACE_ATTR,
+    Attr,
     PushFailReason,
     ReceiveAbandon,
     ReceiveFailure,
@@ -232,9 +233,15 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
             # posted in between looked settled without success: a landed push failed.)
             with self._sending_transfers_lock:
                 open_writes = {r for r, handles in self._sending_transfers.items() if handles}
-                settled_now = self._leases.settle(results.finished_sending, open_writes)
+                settled_now = self._leases.settle(results.finished_sending, open_writes,
+                                                  time.perf_counter())
             for settled in settled_now:
-                if not settled.pushed:
+                if settled.pushed:
+                    try:
+                        self._record_push_stages(settled)
+                    except Exception as exc:
+                        errors.note(TelemetryError.STATS, exc)
+                else:
                     self._mark_push_failed(settled.req_id, "push_failed",
                                            (settled.failure or PushFailReason.PUSH_FAILED).value)
         if len(self._leases):
@@ -354,12 +361,14 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
                 self.xfer_stats.record_receive_failure((why or ReceiveFailure.OTHER).value)
             if not tracing:  # (`_record_receive` inlined: one call fewer per receive)
                 seconds = clock.stop(req_id)
+                kv_wait = clock.since_arrival(req_id)
                 if seconds is not None:
-                    record(_FAILURE if failed else _SUCCESS, seconds, None)
+                    record(_FAILURE if failed else _SUCCESS, seconds, None, kv_wait)
                 continue
             SpanEmitter.end(self._register_spans.pop(req_id))
             span = self._receive_spans.pop(req_id)
-            self._record_receive(_FAILURE if failed else _SUCCESS, clock.stop(req_id), span)
+            self._record_receive(_FAILURE if failed else _SUCCESS, clock.stop(req_id), span,
+                                 clock.since_arrival(req_id))
             if span is None:
                 continue
             if failed:
@@ -369,11 +378,14 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         for req_id, seconds in clock.pop_expired():  # (no lock, no clock read while none can be)
             SpanEmitter.end(self._register_spans.pop(req_id))
             span = self._receive_spans.pop(req_id)
-            self._record_receive(_EXPIRED, seconds, span)
+            self._record_receive(_EXPIRED, seconds, span, clock.since_arrival(req_id))
             SpanEmitter.end(span, error_type="expired",
                             message="no KV landed within the registration timeout")
 
-    def _record_receive(self, outcome: str, seconds: float | None, span: Any) -> None:
+    def _record_receive(self, outcome: str, seconds: float | None, span: Any,
+                        kv_wait: float | None) -> None:
+        if kv_wait is not None and span is not None and span.is_recording():
+            span.set_attribute(Attr.KV_WAIT, kv_wait)
         if seconds is not None:
             self.xfer_stats.record_receive(outcome, seconds,
-                                           None if span is None else span_ids(span))
+                                           None if span is None else span_ids(span), kv_wait)

@@ -75,6 +75,8 @@ class Lease:
     engine: str | None = None  # the decoder engine it is pushed to
     reg: dict[str, Any] | None = None
     claimed_at: float = 0.0  # perf_counter
+    granted_pc: float = 0.0  # perf_counter at grant (prefill done), for the stage figures
+    posted_pc: float = 0.0  # perf_counter when its WRITE started posting
     handles: int = 0
     failure: PushFailReason | None = None
 
@@ -105,6 +107,12 @@ class Settled:
     req_id: str
     pushed: bool
     failure: PushFailReason | None
+    # perf_counter times of its stages (0.0: not seen): granted, WRITE posting, claimed,
+    # and this settle; the caller turns them into TTFT stage figures.
+    granted: float = 0.0
+    posted: float = 0.0
+    claimed: float = 0.0
+    at: float = 0.0
 
 
 class LeaseLedger:
@@ -181,8 +189,9 @@ class LeaseLedger:
 
     # ------------------------------------------------------------ main thread
     def grant(self, deadlines: dict[str, float], digests: dict[str, str] | None,
-              now_mono: float) -> None:
-        """Leases vLLM starts this step (its `_reqs_to_send` deadlines)."""
+              now_mono: float, now: float = 0.0) -> None:
+        """Leases vLLM starts this step (its `_reqs_to_send` deadlines); `now`: the
+        perf_counter time, kept for the prefill-done-to-WRITE stage."""
         with self._lock:
             for req_id, deadline in deadlines.items():
                 lease = self._leases.get(req_id)
@@ -190,7 +199,7 @@ class LeaseLedger:
                     continue
                 keys = self._prefilling.pop(req_id, None) or request_keys(req_id, self._base_of)
                 self._leases[req_id] = Lease(req_id, keys, deadline, now_mono,
-                                             (digests or {}).get(req_id))
+                                             (digests or {}).get(req_id), granted_pc=now)
                 self._leases.move_to_end(req_id)
                 for key in keys:
                     self._by_key.setdefault(key, set()).add(req_id)
@@ -267,7 +276,8 @@ class LeaseLedger:
                 else:
                     lease.deadline = max(lease.deadline, deadline) if lease.wanted else deadline
 
-    def settle(self, finished_sending: Iterable[str], open_writes: set[str]) -> list[Settled]:
+    def settle(self, finished_sending: Iterable[str], open_writes: set[str],
+               now: float = 0.0) -> list[Settled]:
         """After vLLM's step: WRITEs done (vLLM reported the request) or settled without
         success (no handle left open, not reported). The caller reads `open_writes` and
         calls this under vLLM's `_sending_transfers_lock`: the writer publishes handles
@@ -281,7 +291,8 @@ class LeaseLedger:
             for lease in [le for le in self._leases.values() if le.state in _POSTED]:
                 if lease.req_id in done:
                     self._end(lease, LeaseState.PUSHED)
-                    out.append(Settled(lease.req_id, True, None))
+                    out.append(Settled(lease.req_id, True, None, lease.granted_pc,
+                                       lease.posted_pc, lease.claimed_at, now))
                 elif lease.state is LeaseState.WRITING and lease.req_id not in open_writes:
                     self._fail(lease, lease.failure or PushFailReason.PUSH_FAILED)
                     out.append(Settled(lease.req_id, False, lease.failure))
@@ -452,6 +463,7 @@ class LeaseLedger:
                 self._fail(lease, refusal.reason)
                 return refusal
             lease.state = LeaseState.POSTING
+            lease.posted_pc = now
         return None
 
     def posted(self, p_request_id: str, handles: int) -> None:

@@ -98,6 +98,9 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._child(V.PUSHES, idx, event.value)
             for outcome in V.ReceiveOutcome:
                 self._child(V.RECEIVE_DURATION, idx, outcome.value)
+                self._child(V.KV_WAIT, idx, outcome.value)
+            self._child(V.PUSH_WRITE_WAIT, idx)
+            self._child(V.PUSH_WRITE_DURATION, idx)
             for direction in V.Direction:
                 self._child(V.HANDSHAKE_RETRIES, idx, direction.value)
                 self._child(V.HANDSHAKE_OLDEST_IN_FLIGHT, idx, direction.value).set(0)
@@ -200,6 +203,11 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._observe_receive(rec, idx)
             except Exception:
                 self._drop("receive", rec, idx)
+        for rec in data.get(StatKey.PUSH_STAGES, ()):
+            try:
+                self._observe_push_stages(rec, idx)
+            except Exception:
+                self._drop("push stages", rec, idx)
         for key, spec, *label in _COUNTS:
             values = data.get(key)
             if not values:
@@ -323,8 +331,23 @@ class ObservedPromMetrics(NixlPromMetrics):
         duration = float(rec["duration"])
         if duration < 0:
             raise ValueError("negative receive duration")
-        observe(self._child(V.RECEIVE_DURATION, idx, outcome), duration,
-                exemplar_of(rec.get("trace_id"), rec.get("span_id")))
+        kv_wait = rec.get("kv_wait")
+        if kv_wait is not None:
+            kv_wait = float(kv_wait)
+            if kv_wait < 0:
+                raise ValueError("negative KV wait")
+        exemplar = exemplar_of(rec.get("trace_id"), rec.get("span_id"))
+        observe(self._child(V.RECEIVE_DURATION, idx, outcome), duration, exemplar)
+        if kv_wait is not None:
+            observe(self._child(V.KV_WAIT, idx, outcome), kv_wait, exemplar)
+
+    def _observe_push_stages(self, rec: dict[str, Any], idx: int) -> None:
+        wait, write = float(rec["wait"]), float(rec["write"])
+        if wait < 0 or write < 0:
+            raise ValueError("negative push stage")
+        exemplar = exemplar_of(rec.get("trace_id"), rec.get("span_id"))
+        observe(self._child(V.PUSH_WRITE_WAIT, idx), wait, exemplar)
+        observe(self._child(V.PUSH_WRITE_DURATION, idx), write, exemplar)
 
 # Stats keys whose records are one closed label value each: (key, metric, the closed set).
 _LABELLED = (

@@ -1,4 +1,5 @@
-"""When each D-side receive started, so its whole duration can be observed.
+"""When each D-side receive started, so its whole duration can be observed, and when
+its request arrived at D (the start of its whole wait for KV, a TTFT stage).
 
 A receive starts when vLLM hands the registration to the worker (`start_load_kv`,
 engine main thread) and ends when the worker reports the request received or
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from connector.telemetry.span_table import MAX_TRACKED_REQUESTS
+from connector.vocabulary import REGISTRATION_ARRIVAL_KEY
 
 
 class ReceiveClock:
@@ -30,6 +33,26 @@ class ReceiveClock:
         # oldest start + timeout, or earlier when the oldest was stopped meanwhile).
         self.waiting: OrderedDict[str, float] = OrderedDict()
         self.next_expiry = float("inf")
+        # Request id -> its arrival at D (wall clock, vLLM's `arrival_time`), while open.
+        self._arrivals: dict[str, float] = {}
+
+    def note_arrivals(self, registrations: Mapping[str, Mapping[str, Any]]) -> None:
+        """Keep each registration's arrival time (our scheduler puts it in); the first
+        one of a request stands."""
+        arrivals = self._arrivals
+        for req_id, reg in registrations.items():
+            at = reg.get(REGISTRATION_ARRIVAL_KEY)
+            if type(at) is float and req_id not in arrivals:
+                arrivals[req_id] = at
+        while len(arrivals) > MAX_TRACKED_REQUESTS:
+            del arrivals[next(iter(arrivals))]
+
+    def since_arrival(self, req_id: str, now_wall: float | None = None) -> float | None:
+        """Seconds since the request arrived at D, forgetting it; None when not known."""
+        at = self._arrivals.pop(req_id, None)
+        if at is None:
+            return None
+        return max(0.0, (time.time() if now_wall is None else now_wall) - at)
 
     def start(self, req_id: str, now: float | None = None) -> None:
         self.start_all((req_id,), now)

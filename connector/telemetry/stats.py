@@ -160,17 +160,29 @@ class ObservedNixlStats(NixlKVConnectorStats):
             self.data[StatKey.REMOTE_PREFILLS] = [[waiting, oldest_wait_s]]
             self._has_ours = True
 
-    def record_receive(self, outcome: str, seconds: float, ids: tuple[str, str] | None) -> None:
-        """One D-side receive; `ids` (trace id, span id) of its span become the exemplar.
+    def record_receive(self, outcome: str, seconds: float, ids: tuple[str, str] | None,
+                       kv_wait: float | None = None) -> None:
+        """One D-side receive; `ids` (trace id, span id) of its span become the exemplar;
+        `kv_wait`: seconds since the request arrived at D (None when not known).
 
         Engine main thread only: the thread that also takes the interval's stats
         (`clone_and_reset`), so no record can race the swap and no lock is taken (other
         threads' appends to other keys of the same dict are single dict operations,
         atomic under the GIL)."""
         rec: dict[str, Any] = {"outcome": outcome, "duration": seconds}
+        if kv_wait is not None:
+            rec["kv_wait"] = kv_wait
         if ids is not None:
             rec["trace_id"], rec["span_id"] = ids
         self._append_on_main_thread(StatKey.RECEIVES, rec)
+
+    def record_push_stages(self, wait: float, write: float, ids: tuple[str, str] | None) -> None:
+        """P: one completed push's stages (prefill done -> WRITE posted, PUSH_REG matched ->
+        WRITE done); `ids` of its write span become the exemplar. Main thread only."""
+        rec: dict[str, Any] = {"wait": wait, "write": write}
+        if ids is not None:
+            rec["trace_id"], rec["span_id"] = ids
+        self._append_on_main_thread(StatKey.PUSH_STAGES, rec)
 
     def record_push_completed(self) -> None:
         """One push completed (engine main thread only; see `record_receive`)."""
