@@ -12,6 +12,7 @@ import re
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
@@ -36,11 +37,14 @@ from connector.vocabulary import (
     Attr,
     Label,
     LegOutcome,
+    RouterAttr,
     RouterLabel,
     RouterLeg,
     RouterOutcome,
+    SpanEvent,
 )
-from dashboards.promrun import PrometheusServer
+from dashboards import panels
+from dashboards.promrun import PrometheusServer, evaluate_dashboard
 from demo.drive import Outcome
 from harness.poll import PollTimeout, wait_until
 
@@ -287,4 +291,120 @@ def router_lines(data: list[Sample], prom: PrometheusServer, job: str, sent: int
                          f"p95 {legs[0.95][leg] * 1e3:.0f} ms, mean {mean * 1e3:.0f} ms")
     cancelled = total(data, ROUTER_LEGS_CANCELLED.series_names[0])
     lines.append(f"legs cancelled: {cancelled:.0f}")
+    return lines, failed
+
+
+# ------------------------------------------------------------------- where TTFT goes
+# vLLM's own request span (one per engine and request) and the attributes read from it.
+VLLM_REQUEST_SPAN = "llm_request"
+VLLM_TTFT_ATTR = "gen_ai.latency.time_to_first_token"
+VLLM_E2E_ATTR = "gen_ai.latency.e2e"
+
+
+@dataclass(frozen=True)
+class TtftSplit:
+    """One request's TTFT by stage, each stage read from the component that measured it
+    (seconds). The client's TTFT (router) should be the stages' sum plus the router's own
+    share and its hops (`residual`); D's wait for KV should be P's two stages (`join`)."""
+
+    client_ttft: float  # router.request: arrival at the router -> first token to the client
+    streamed: bool
+    p_prefill: float  # P's vLLM TTFT: arrival at P -> first token (its queue and prefill)
+    p_handoff: float  # P's write span: prefill done -> WRITE done
+    kv_wait: float  # D's receive span: arrival at D -> KV landed
+    d_after_kv: float  # D's vLLM TTFT minus the wait: D's queue after the KV and its first step
+    d_rest: float  # not streamed: D's answer after its first token (the client waits for it all)
+
+    @property
+    def stages(self) -> float:
+        return self.p_prefill + self.p_handoff + self.d_after_kv + self.d_rest
+
+    @property
+    def residual(self) -> float:
+        return self.client_ttft - self.stages
+
+    @property
+    def join(self) -> float:
+        return self.kv_wait - (self.p_prefill + self.p_handoff)
+
+
+# How closely a request's stages must add up (seconds, plus a share of the figure compared):
+# P's two stages make D's wait for KV within JOIN (the legs reach P and D a few ms apart,
+# and each engine sees a boundary at its own step); the router's own share of the client's
+# TTFT (its hops, JSON, and D's answer back) lies within ROUTER_SHARE.
+JOIN_TOLERANCE_S, JOIN_TOLERANCE_SHARE = 0.1, 0.1
+ROUTER_SHARE_MIN_S, ROUTER_SHARE_MAX_S, ROUTER_SHARE_SHARE = -0.05, 0.25, 0.1
+
+
+def split_problems(sp: TtftSplit) -> list[str]:
+    """Where one request's stages do not add up within the stated tolerances."""
+    out = []
+    if abs(sp.join) > JOIN_TOLERANCE_S + JOIN_TOLERANCE_SHARE * sp.kv_wait:
+        out.append(f"D waited {sp.kv_wait * 1e3:.0f} ms for KV, P's stages add up to "
+                   f"{(sp.p_prefill + sp.p_handoff) * 1e3:.0f} ms")
+    if not ROUTER_SHARE_MIN_S <= sp.residual <= ROUTER_SHARE_MAX_S + ROUTER_SHARE_SHARE * sp.client_ttft:
+        out.append(f"client TTFT {sp.client_ttft * 1e3:.0f} ms, stages {sp.stages * 1e3:.0f} ms: "
+                   f"the router's share {sp.residual * 1e3:.0f} ms is out of bounds")
+    return out
+
+
+def ttft_split(spans: list[dict[str, Any]], trace_id: str) -> TtftSplit | None:
+    """The split of one request's trace; None while a span or boundary it needs is missing."""
+    mine = {(s["service"], s["name"]): s for s in spans if s["trace_id"] == trace_id}
+    router = mine.get(("router", SPAN_ROUTER_REQUEST))
+    p_req, d_req = mine.get(("vllm-prefill", VLLM_REQUEST_SPAN)), mine.get(("vllm-decode", VLLM_REQUEST_SPAN))
+    write, receive = mine.get(("vllm-prefill", SPAN_PUSH_WRITE)), mine.get(("vllm-decode", SPAN_PUSH_RECEIVE))
+    if router is None or p_req is None or d_req is None or write is None or receive is None:
+        return None
+    prefill_done = write.get("event_times", {}).get(SpanEvent.PREFILL_DONE)
+    needed = (router["attributes"].get(RouterAttr.TTFT), p_req["attributes"].get(VLLM_TTFT_ATTR),
+              d_req["attributes"].get(VLLM_TTFT_ATTR), d_req["attributes"].get(VLLM_E2E_ATTR),
+              receive["attributes"].get(Attr.KV_WAIT), prefill_done)
+    if None in needed:
+        return None
+    client, p_ttft, d_ttft, d_e2e, kv_wait, _ = (float(v) for v in needed)
+    streamed = bool(router["attributes"].get(RouterAttr.STREAM))
+    return TtftSplit(client, streamed, p_ttft, (write["end"] - prefill_done) / 1e9, kv_wait,
+                     d_ttft - kv_wait, 0.0 if streamed else d_e2e - d_ttft)
+
+
+MEAN_PANEL = "Mean TTFT by stage (range)"
+SHARE_PANEL = "Share of D's TTFT spent waiting for KV (range)"
+
+
+def ttft_dashboard_means(prom: PrometheusServer, job: str, model: str, at: float | None = None
+                         ) -> dict[str, float]:
+    """The row's exact panels as Grafana shows them over the last hour: each stage's legend ->
+    mean seconds, and "share" -> the share of D's TTFT spent waiting for KV."""
+    dashboard = panels.build_dashboard()
+    wanted = [p for p in panels.iter_panels(dashboard) if p["title"] in (MEAN_PANEL, SHARE_PANEL)]
+    legends = {(p["title"], t["refId"]): t["legendFormat"] for p in wanted for t in p["targets"]}
+    dashboard["panels"] = wanted
+    variables = {"job": job, "model_name": model, "instance": ".*", "engine": ".*",
+                 "__range": "1h", "__rate_interval": "1m"}
+    out: dict[str, float] = {}
+    for q in evaluate_dashboard(prom, dashboard, variables, at=at):
+        for _, value in q.values():
+            out["share" if q.panel == SHARE_PANEL else legends[(q.panel, q.ref_id)]] = value
+    return out
+
+
+def ttft_lines(splits: list[TtftSplit], means: dict[str, float]) -> tuple[list[str], int]:
+    """The dashboard's stage means, then each traced request's split and how it adds up;
+    (lines, requests whose stages do not add up)."""
+    lines = [f"{name}: mean {value * 1e3:.0f} ms" for name, value in means.items() if name != "share"]
+    if "share" in means:
+        lines.append(f"share of D's TTFT spent waiting for KV: {means['share']:.1%}")
+    lines.append("per request (traces): client TTFT = P prefill + P handoff + D after KV [+ D rest "
+                 "of the answer, not streamed] + router")
+    for sp in splits:
+        rest = "" if sp.streamed else f" + {sp.d_rest * 1e3:.0f}"
+        lines.append(f"  {sp.client_ttft * 1e3:6.0f} ms = {sp.p_prefill * 1e3:.0f} + {sp.p_handoff * 1e3:.0f}"
+                     f" + {sp.d_after_kv * 1e3:.0f}{rest} + {sp.residual * 1e3:.0f} (router);  "
+                     f"D waited {sp.kv_wait * 1e3:.0f} ms for KV (P's stages {sp.join * 1e3:+.0f} ms)")
+    failed = 0
+    for sp in splits:
+        for problem in split_problems(sp):
+            failed += 1
+            lines.append(f"CHECK FAILED: {problem}")
     return lines, failed

@@ -47,6 +47,8 @@ def decode_request(request: trace_service_pb2.ExportTraceServiceRequest) -> list
                     "service": resource.get("service.name"),
                     "scope": ss.scope.name,
                     "events": [e.name for e in span.events],
+                    # (the first time of each event name: a stage boundary's time)
+                    "event_times": {e.name: e.time_unix_nano for e in reversed(span.events)},
                     "links": [{"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex(),
                                "attributes": {kv.key: _value(kv.value) for kv in link.attributes}}
                               for link in span.links],

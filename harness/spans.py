@@ -43,6 +43,7 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
         "end": span.end_time,
         "service": (span.resource.attributes or {}).get("service.name"),
         "events": [e.name for e in span.events],
+        "event_times": {e.name: e.timestamp for e in reversed(span.events)},
         "links": [{"trace_id": format(link.context.trace_id, "032x"),
                    "span_id": format(link.context.span_id, "016x"),
                    "attributes": dict(link.attributes or {})} for link in span.links],

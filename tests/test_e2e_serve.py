@@ -15,6 +15,7 @@ Requests carry a traceparent the test made, so the test knows each request's tra
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import time
 import warnings
@@ -32,16 +33,20 @@ from connector.vocabulary import (
     KV_LEASE_EXPIRIES,
     KV_LEASE_RENEWALS,
     KV_LEASES_HELD,
+    KV_WAIT,
     PEER_RESETS,
     PUSH_FAIL_NOTIFS,
     PUSH_REG_NOTIFS,
     PUSH_REG_REJECTED,
+    PUSH_WRITE_DURATION,
+    PUSH_WRITE_WAIT,
     PUSHES,
     RECEIVE_FAILURES,
     SPAN_HANDSHAKE,
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_WRITE,
     SPAN_ROUTER_REQUEST,
+    VLLM_TTFT,
     Attr,
     Phase,
     RouterAttr,
@@ -49,9 +54,15 @@ from connector.vocabulary import (
     phase_span_name,
 )
 from demo import drive, report
-from demo.engines import NIXL_WORKER_LOGGER, PROGRESS_DELAY_US, nixl_debug_logging, session_pids
+from demo.engines import (
+    NIXL_WORKER_LOGGER,
+    PROGRESS_DELAY_US,
+    SERVED_MODEL,
+    nixl_debug_logging,
+    session_pids,
+)
 from demo.network import unavailable_reason
-from demo.stack import EngineOptions, Stack
+from demo.stack import JOB, EngineOptions, Stack
 from harness.poll import wait_until
 
 pytestmark = [pytest.mark.real, pytest.mark.prometheus, pytest.mark.serve, pytest.mark.timeout(1200)]
@@ -376,6 +387,59 @@ def test_every_request_is_one_trace_across_router_p_and_d(stack: Stack,
             assert transfer_id in by_name[(service, "llm_request")]["attributes"]["gen_ai.request.id"]
         assert by_name[("vllm-decode", SPAN_PUSH_RECEIVE)]
         assert by_name[("vllm-prefill", SPAN_PUSH_WRITE)]
+
+
+def test_each_requests_ttft_stages_add_up_to_the_clients_ttft(stack: Stack,
+                                                             outcomes: list[drive.Outcome]) -> None:
+    """Per request, from its trace: P's queue and prefill (vLLM on P), P's handoff (our write
+    span: prefill done to WRITE done), D's work after the KV landed (vLLM's TTFT on D minus our
+    wait for KV) and, not streamed, the rest of D's answer add up to the TTFT the router
+    measured for the client, within the tolerances `report.split_problems` states; and P's
+    two stages make D's wait for KV. Five clocks in three processes, none derived from another."""
+    splits: dict[str, report.TtftSplit] = {}
+
+    def complete() -> bool:
+        spans = stack.spans()
+        for o in outcomes:
+            if o.request_id not in splits and (sp := report.ttft_split(spans, o.trace_id)) is not None:
+                splits[o.request_id] = sp
+        return len(splits) == len(outcomes)
+
+    wait_until(complete, "every request's stage spans and boundaries", SPAN_WAIT_S, 0.25,
+               last=lambda: sorted(splits))
+    for request_id, sp in splits.items():
+        assert min(sp.p_prefill, sp.p_handoff, sp.kv_wait, sp.d_rest) >= 0, (request_id, sp)
+        assert sp.d_after_kv > 0, (request_id, sp)  # D's first token comes after its KV
+        assert not report.split_problems(sp), (request_id, sp, report.split_problems(sp))
+
+
+def test_where_ttft_goes_panels_equal_the_engines_metrics_in_prometheus(
+        stack: Stack, outcomes: list[drive.Outcome]) -> None:
+    """The row's exact panels, as Grafana asks Prometheus over the last hour, equal the means and
+    the share computed from the engines' own /metrics (vLLM's TTFT included) at the same time."""
+    assert stack.prometheus is not None and outcomes
+    p, d = metric(stack.prefill), metric(stack.decode)
+    read_at = time.time()
+    prom = stack.prometheus
+    wait_until(lambda: (prom.value(f'min(timestamp(up{{job="{JOB}"}}))') or 0) > read_at,
+               "a scrape of both engines after their /metrics were read", 60, 0.25)
+    at = prom.value(f'max(timestamp(up{{job="{JOB}"}}))')
+    means = report.ttft_dashboard_means(prom, JOB, SERVED_MODEL, at=at)
+
+    def mean(data: list[report.Sample], name: str, **labels: str) -> float:
+        return report.total(data, name + "_sum", **labels) / report.total(data, name + "_count", **labels)
+
+    expected = {
+        "D: wait for KV (arrival -> KV landed)": mean(d, KV_WAIT.name, outcome="success"),
+        "D: TTFT (vLLM)": mean(d, VLLM_TTFT.name),
+        "P: prefill done -> WRITE posted": mean(p, PUSH_WRITE_WAIT.name),
+        "P: PUSH_REG matched -> WRITE done": mean(p, PUSH_WRITE_DURATION.name),
+        "share": report.total(d, KV_WAIT.name + "_sum") / report.total(d, VLLM_TTFT.name + "_sum"),
+    }
+    assert means.keys() == expected.keys(), means
+    for name, value in expected.items():
+        assert math.isclose(means[name], value, rel_tol=1e-9), (name, means[name], value)
+    assert 0 < expected["share"] < 1
 
 
 def test_exemplars_on_d_openmetrics_and_in_prometheus_resolve_to_received_traces(
