@@ -3,19 +3,20 @@
 Drives the connector's real per-request telemetry code, the functions and objects the
 worker, scheduler and API server call (not copies): the worker's flow methods are called
 on an `ObservedPushWorker` built without vLLM's engine (`object.__new__`, then the
-attributes its `__init__` sets for telemetry and push state), so only what a request
-costs the connector is run. Per request, in engine steps of `--batch` requests:
+worker's own `_init_state`: its push state and telemetry), so only what a request costs
+the connector is run. Per request, in engine steps of `--batch` requests:
 
-- D `receive_start`: the receive's clock and span (`ReceiveFlow._start_receives` without
-  its ledger line, which is state, not telemetry);
+- D `receive_start`: the receive's clock, its arrival and span (`ReceiveFlow._start_receives`
+  without its ledger line, which is state, not telemetry);
 - D `register`: the register span and its trace context into the PUSH_REG
   (`_open_register_span`), then the PUSH_REG counted and the span ended (the tail of
   `_do_send_reg_notif`);
 - P `write_start`: P's request context kept (`_keep_request_contexts`), the write span
   (`_open_write_span`), its handshake wait (`_note_handshake_wait`), the push counted
   (`_count_push_once`);
-- P `write_done`, D `landed`: the worker's own step accounting (`_account_results`) for
-  the finished sends and receives;
+- P `write_done`: the push's TTFT stages (`_record_push_stages`, from the lease ledger's
+  settle) and the worker's own step accounting (`_account_results`); D `landed`: the
+  step accounting of the finished receives (their wait for KV included);
 - per step and engine: `stats` (the worker's `get_kv_connector_stats`: vLLM's
   clone-and-reset of our stats object), `serialise` (`to_dict` and vLLM's msgpack encode
   and decode of the step's `EngineCoreOutputs`, minus the same without our payload,
@@ -45,7 +46,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -208,37 +208,15 @@ class _Clock:
 
 
 def _worker(role: str, tracer: Any) -> Any:
-    """An `ObservedPushWorker` with the telemetry and push-state attributes its
-    `__init__` sets, and no vLLM engine, NIXL agent or threads."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
-
+    """An `ObservedPushWorker` with its push state and per-request telemetry (the worker's
+    own `_init_state`, with the default settings), and no vLLM engine, NIXL agent or threads."""
     from connector.glue.worker import ObservedPushWorker
-    from connector.state.leases import LeaseLedger
-    from connector.state.receives import ReceiveLedger
-    from connector.telemetry.in_flight import InFlight
-    from connector.telemetry.receives import ReceiveClock
-    from connector.telemetry.span_table import BoundedIdSet, SpanTable
-    from connector.telemetry.stats import ObservedNixlStats
-    from connector.telemetry.tracing import SpanEmitter
 
     w = object.__new__(ObservedPushWorker)
     w.engine_id = f"telemetry-cost-{role}"
     w._kv_role = role
-    w.xfer_stats = ObservedNixlStats()
-    w._lease_extension = 30
-    w._leases = LeaseLedger(lease_s=30.0, extension_s=30.0, write_timeout_s=20.0, margin_s=2.0,
-                            base_of=get_base_request_id)
-    w._receives = ReceiveLedger(hold_s=54.0)
-    w._spans = SpanEmitter(tracer)
-    w._receive_spans = SpanTable()
-    w._register_spans = SpanTable()
-    w._write_spans = SpanTable()
-    w._request_contexts = SpanTable(spans=False)
-    w._receive_clock = ReceiveClock(480.0)
-    w._push_lock = threading.Lock()
-    w._pushing = BoundedIdSet()
-    w._push_failed = BoundedIdSet()
-    w._in_flight = InFlight()
+    w._lease_extension = 20  # (vLLM's: two thirds of the default 30 s lease)
+    w._init_state(lambda _key, default=None: default, tracer)
     w._write_deferred_at = {}
     w._init_leases()
     return w
@@ -271,7 +249,7 @@ def child(mode: str, requests: int, batch: int) -> dict[str, Any]:
     from connector.glue.worker import ObservedPushWorker
     from connector.telemetry.prometheus import ObservedPromMetrics
     from connector.telemetry.tracing import SpanEmitter, inject_context, resolve_tracer
-    from connector.vocabulary import METADATA_TRACE_ATTR, StatKey
+    from connector.vocabulary import METADATA_TRACE_ATTR, REGISTRATION_ARRIVAL_KEY, StatKey
 
     _vllm_tracer(mode)
     tracer = resolve_tracer() if mode != "off" else None
@@ -301,14 +279,17 @@ def child(mode: str, requests: int, batch: int) -> dict[str, Any]:
             if router is not None:
                 root = router.start_span("router")
                 carriers[req_id] = inject_context(root)
+        arrived = time.time() - 0.05  # (our scheduler puts vLLM's arrival_time in)
         regs = {r: {"remote_engine_id": p.engine_id, "remote_host": "10.0.0.2", "remote_port": 5600,
-                    "local_block_ids": [[1, 2, 3]], "trace": carriers.get(r)} for r in ids}
+                    "local_block_ids": [[1, 2, 3]], "trace": carriers.get(r),
+                    REGISTRATION_ARRIVAL_KEY: arrived} for r in ids}
         now = time.perf_counter()
         d._receives.start(regs, now)  # state, untimed
-        p._leases.grant({r: now + 30.0 for r in ids}, None, time.monotonic())
+        p._leases.grant({r: now + 30.0 for r in ids}, None, time.monotonic(), now)
 
         t = clock.now()  # D: receives start (ReceiveFlow._start_receives, its telemetry)
         d._receive_clock.start_all(regs)
+        d._receive_clock.note_arrivals(regs)
         if d._spans.enabled:
             d._open_receive_spans(_with_trace_key(regs))
         t = _lap(clock, "receive_start", t)
@@ -332,6 +313,16 @@ def child(mode: str, requests: int, batch: int) -> dict[str, Any]:
                 p._note_handshake_wait(req_id, span)
             p._count_push_once(p._pushing, req_id, StatKey.PUSHES_STARTED)
         t = _lap(clock, "write_start", t)
+        now = time.perf_counter()  # P's push state: claimed, posted, settled (untimed)
+        for req_id in ids:
+            p._leases.claim(req_id, {"request_id": req_id, "decode_engine_id": d.engine_id}, None,
+                            None, now)
+            p._leases.begin_post(req_id, None, now)
+            p._leases.posted(req_id, 1)
+        settled = p._leases.settle(ids, set(), time.perf_counter())
+        t = clock.now()
+        for done in settled:  # P: WRITE done (its stages, `get_transfer_results`), then the step's
+            p._record_push_stages(done)  # accounting
         ObservedPushWorker._account_results(p, KVConnectorTransferResults(finished_sending=set(ids)))
         t = _lap(clock, "write_done", t)
         ObservedPushWorker._account_results(d, KVConnectorTransferResults(finished_recving=set(ids)))

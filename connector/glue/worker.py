@@ -118,6 +118,26 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         # What an untagged handshake on vLLM's writer thread is for (handshakes.py).
         self._writer_trigger = {"kv_producer": Trigger.PUSH_WRITE,
                                 "kv_consumer": Trigger.PUSH_REG}.get(self._kv_role)
+        obs = getattr(vllm_config, "observability_config", None)
+        self._init_state(extra, resolve_tracer(getattr(obs, "otlp_traces_endpoint", None)))
+        self.nixl_wrapper = NixlAgentProbe(self.nixl_wrapper, on_notif=self._notif_sent,
+                                           on_receive=self._notifs_received)
+        self._remote_agents = RemoteAgentTable(self._remote_agents)
+        # Engines connected notification-only, and the pending handshake job per engine
+        # (its flavor, and whether a WRITE waits on it).
+        self._notif_only_engines: set[str] = set()
+        self._pending_jobs: dict[str, Any] = {}
+        self._trigger_local = threading.local()
+        self._retry_policy = RetryPolicy.from_extra_config(extra)
+        self._init_receive()
+        self._init_push()
+        self._init_leases()
+        self._init_peers()
+
+    def _init_state(self, extra: Any, tracer: Any) -> None:
+        """The push state's owners and the per-request telemetry the flows keep: all the
+        worker holds beyond vLLM's own (benchmarks/telemetry_cost.py builds a worker
+        without vLLM's engine with this too). Needs vLLM's `_lease_extension`."""
         self.xfer_stats = ObservedNixlStats()
         # The push state's owners (connector/state; docs/architecture.md "Push state").
         lease_s = float(extra("kv_lease_duration", 30))
@@ -129,34 +149,21 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         self._receives = ReceiveLedger(hold_s=lease_s + write_timeout_s + 2 * margin_s)
         self._peers = PeerTable(forget_after_s=float(extra("peer_forget_after_s",
                                                            DEFAULT_FORGET_AFTER_S)))
-        self.nixl_wrapper = NixlAgentProbe(self.nixl_wrapper, on_notif=self._notif_sent,
-                                           on_receive=self._notifs_received)
-        self._remote_agents = RemoteAgentTable(self._remote_agents)
-        # Engines connected notification-only, and the pending handshake job per engine
-        # (its flavor, and whether a WRITE waits on it).
-        self._notif_only_engines: set[str] = set()
-        self._pending_jobs: dict[str, Any] = {}
-        self._trigger_local = threading.local()
-        obs = getattr(vllm_config, "observability_config", None)
-        self._spans = SpanEmitter(resolve_tracer(getattr(obs, "otlp_traces_endpoint", None)))
+        self._spans = SpanEmitter(tracer)
         self._receive_spans = SpanTable()  # D: registration until KV landed
         self._register_spans = SpanTable()  # D: registration until PUSH_REG sent
         self._write_spans = SpanTable()  # P: PUSH_REG matched until WRITE done
         # P: request id -> the W3C context P's own request arrived with (span link).
         self._request_contexts = SpanTable(spans=False)
-        # D: registration handed over until KV landed, failed or expired (histogram).
+        # D: registration handed over until KV landed, failed or expired (histogram), and
+        # the request's arrival (its whole wait for KV).
         self._receive_clock = ReceiveClock(float(extra(
             "push_registration_timeout",
             extra("decoder_kv_blocks_ttl", DEFAULT_REGISTRATION_TIMEOUT_S))))
         self._push_lock = threading.Lock()
         self._pushing = BoundedIdSet()  # P: WRITEs posted, not yet reported done
         self._push_failed = BoundedIdSet()
-        self._retry_policy = RetryPolicy.from_extra_config(extra)
         self._in_flight = InFlight()
-        self._init_receive()
-        self._init_push()
-        self._init_leases()
-        self._init_peers()
 
     # ------------------------------------------------------------- every step
     # vLLM calls these on the engine's main thread every step, mostly with nothing
