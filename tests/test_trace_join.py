@@ -24,6 +24,7 @@ from connector.vocabulary import (
     SPAN_PUSH_WRITE,
     Attr,
     LinkRole,
+    SpanEvent,
 )
 from harness import PushHarness
 from harness.config import FORK, EngineSpec
@@ -150,6 +151,21 @@ def test_receive_and_register_sit_under_the_requests_traceparent(run: Run) -> No
                             "attributes": {Attr.LINK_ROLE: LinkRole.PREFILL_REQUEST.value}}]
 
 
+def test_the_spans_carry_the_ttft_stage_boundaries(run: Run) -> None:
+    """One trace shows the split the stage histograms count: D's receive span its wait since
+    the request arrived; P's write span when the prefill finished and when its WRITE was
+    posted, at their times, and the wait between them."""
+    p_id, d_id = ids(run, "joined")
+    rcv = run.one("D", SPAN_PUSH_RECEIVE, **{Attr.REQUEST_ID: d_id})
+    wr = run.one("P", SPAN_PUSH_WRITE, **{Attr.REQUEST_ID: p_id})
+    # The wait since arrival covers the whole receive span (the registration came later).
+    assert rcv["attributes"][Attr.KV_WAIT] >= (rcv["end"] - rcv["start"]) / 1e9 - 0.005
+    times = wr["event_times"]
+    done, posted = times[SpanEvent.PREFILL_DONE], times[SpanEvent.WRITE_POSTED]
+    assert done <= posted <= wr["end"] and wr["start"] <= posted
+    assert wr["attributes"][Attr.WRITE_WAIT] == pytest.approx((posted - done) / 1e9, abs=2e-6)
+
+
 def test_handshakes_a_request_started_sit_in_its_trace(run: Run) -> None:
     d_leg, _ = run.legs["joined"]
     p_id, d_id = ids(run, "joined")
@@ -229,7 +245,7 @@ def test_openmetrics_exemplars_resolve_to_d_spans(run: Run) -> None:
         for sample in family.samples:
             if sample.exemplar is not None:
                 found.setdefault(family.name, []).append(sample.exemplar.labels["trace_id"])
-    assert set(found) == {V.RECEIVE_DURATION.name, V.HANDSHAKE_DURATION.name,
+    assert set(found) == {V.RECEIVE_DURATION.name, V.KV_WAIT.name, V.HANDSHAKE_DURATION.name,
                           V.HANDSHAKE_PHASE_DURATION.name}
     for name, trace_ids in found.items():
         assert set(trace_ids) <= traced, name

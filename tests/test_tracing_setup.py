@@ -202,3 +202,34 @@ def test_lazy_attributes_and_links_are_built_only_for_a_span_that_records():
 
 
 LINKED = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+
+
+UNSAMPLED = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"}
+
+
+def test_a_child_of_an_unsampled_parent_is_the_parent_under_a_parent_based_sampler():
+    """No span is started where the sampler would only make a non-recording one: the parent
+    stands in, and what propagates from it is the same trace and the same decision."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+    provider, exporter = _sampled_provider(1.0)  # parent-based: the parent decides
+    emitter = SpanEmitter(provider.get_tracer("p"))
+    assert emitter.drops_unsampled_children
+    parent = extract_span(UNSAMPLED)
+    child = emitter.start("child", parent=parent, attributes=lambda: {"built": True})
+    assert child is parent and not child.is_recording()
+    grandchild = emitter.start("grandchild", parent=child)
+    SpanEmitter.end(grandchild, error_type="x")
+    SpanEmitter.end(child)
+    carrier = inject_context(child)
+    assert carrier["traceparent"] == UNSAMPLED["traceparent"]
+    assert exporter.get_finished_spans() == ()
+    # A sampled parent gets a real child.
+    sampled = emitter.start("sampled", parent=extract_span(LINKED))
+    assert sampled is not None and sampled.is_recording()
+    # A sampler that decides per span (not parent-based) gets every child started.
+    own = SpanEmitter(TracerProvider(sampler=ALWAYS_ON).get_tracer("o"))
+    assert not own.drops_unsampled_children
+    started = own.start("child", parent=extract_span(UNSAMPLED))
+    assert started is not parent and started.is_recording()
