@@ -415,6 +415,7 @@ class Router:
         chunks = d_resp.aiter_raw().__aiter__()
         outcome = RouterOutcome.CLIENT_DISCONNECTED  # unless the stream ends otherwise
         nxt: asyncio.Future[Any] | None = None
+        p_reported = False
         try:
             while True:
                 # One read of D's stream at a time: a pending read is kept across turns
@@ -431,10 +432,11 @@ class Router:
                     outcome = RouterOutcome.PREFILL_FAILED
                     yield _sse_error(f"prefill leg failed: {p.error or f'HTTP {p.status}'}")
                     return
-                if p_task.done() and p_task.result().ok:
+                if not p_reported and p_task.done() and p_task.result().ok:
                     # P's leg ends when P answered, not with D's stream (its latency and
                     # outcome; the report at the stream's end is then a no-op).
                     ex.leg_result(p_task.result())
+                    p_reported = True
                 if not nxt.done():
                     continue  # P finished fine; keep waiting for D's next chunk
                 done, nxt = nxt, None
