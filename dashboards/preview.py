@@ -17,6 +17,7 @@ import json
 import math
 import re
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,16 @@ SCRAPES_BETWEEN = 4
 SCRAPES_IDLE = 8
 
 STATS = ("D->P handshakes that were notification-only", "Full D->P handshakes",
-         "Descriptor registrations saved", "Descriptors saved")
-CHARTS = ("Handshakes/s by direction and flavor", "Handshake latency p50 / p95 / p99 by flavor",
+         "Descriptor registrations saved", "Descriptors saved",
+         "Share of D's TTFT spent waiting for KV (range)")
+CHARTS = ("Mean TTFT by stage (range)", "Mean TTFT on D: waiting for KV, then D's own work",
+          "D: wait for KV p50 / p95 / p99 by outcome", "P: prefill done -> WRITE posted p50 / p95 / p99",
+          "Handshakes/s by direction and flavor", "Handshake latency p50 / p95 / p99 by flavor",
           "Descriptors saved/s", "Descriptors registered vs saved (range)",
           "Executor queue wait p50 / p95 / p99", "Per-phase latency p95",
           "KV pushes/s: started / completed / failed", "PUSH_REG notifications/s",
-          "NIXL transfers/s and failures/s", "NIXL transfer and post time p50 / p99")
+          "NIXL transfers/s and failures/s", "NIXL transfer and post time p50 / p99",
+          "Mean client TTFT and leg latency (range)", "Client TTFT p50 / p95 / p99")
 
 
 def _legend(fmt: str, labels: dict[str, str]) -> str:
@@ -150,7 +155,9 @@ def render(data: dict[str, Any], path: Path, source: str = "a real P/D push run"
     start, end = data["_window"]
     fig = plt.figure(figsize=(16, 4 + 3 * ((len(CHARTS) + 1) // 2)), dpi=100, facecolor="#111217")
     rows = (len(CHARTS) + 1) // 2
-    grid = fig.add_gridspec(1 + rows, 4, height_ratios=[0.55] + [1] * rows,
+    # Stats share the first line equally; charts take half a line each.
+    cols = 2 * len(STATS)
+    grid = fig.add_gridspec(1 + rows, cols, height_ratios=[0.55] + [1] * rows,
                             hspace=0.55, wspace=0.3, left=0.05, right=0.98, top=0.93, bottom=0.03)
     fig.suptitle(f"{panels.DASHBOARD_TITLE} - preview from {source} "
                  f"({time.strftime('%Y-%m-%d %H:%M', time.localtime(end))}, {end - start:.0f} s window)",
@@ -158,7 +165,7 @@ def render(data: dict[str, Any], path: Path, source: str = "a real P/D push run"
     text_kw = {"color": "#ccccdc"}
 
     for i, title in enumerate(STATS):
-        ax = fig.add_subplot(grid[0, i])
+        ax = fig.add_subplot(grid[0, 2 * i:2 * i + 2])
         panel = data[title]["panel"]
         defaults = panel["fieldConfig"]["defaults"]
         series = data[title]["results"][0][1]
@@ -172,16 +179,18 @@ def render(data: dict[str, Any], path: Path, source: str = "a real P/D push run"
             label = _fmt(value, defaults["unit"], defaults.get("decimals"))
         else:
             color, label = "grey", defaults.get("noValue", "No data")
-        palette = {"green": "#1a7f37", "red": "#c4162a", "blue": "#1f60c4", "grey": "#3d3f46"}
+        palette = {"green": "#1a7f37", "red": "#c4162a", "blue": "#1f60c4", "grey": "#3d3f46",
+                   "orange": "#ff780a"}
         ax.set_facecolor(palette.get(color, color))
-        ax.text(0.5, 0.42, label, ha="center", va="center", fontsize=30, color="white", weight="bold",
+        ax.text(0.5, 0.42, label, ha="center", va="center", fontsize=26, color="white", weight="bold",
                 transform=ax.transAxes)
-        ax.set_title(title, fontsize=11, loc="left", **text_kw)
+        ax.set_title(textwrap.fill(title, 40), fontsize=10, loc="left", **text_kw)
         ax.set_xticks([])
         ax.set_yticks([])
 
     for i, title in enumerate(CHARTS):
-        ax = fig.add_subplot(grid[1 + i // 2, (i % 2) * 2:(i % 2) * 2 + 2])
+        half = cols // 2
+        ax = fig.add_subplot(grid[1 + i // 2, (i % 2) * half:(i % 2 + 1) * half])
         ax.set_facecolor("#181b1f")
         for spine in ax.spines.values():
             spine.set_color("#2f3239")
@@ -195,12 +204,16 @@ def render(data: dict[str, Any], path: Path, source: str = "a real P/D push run"
             bars = [(_legend(fmt, s["metric"]), float(s["value"][1]))
                     for fmt, series in data[title]["results"] for s in series]
             bars = [b for b in bars if b[1] > 0] or bars
-            names = [b[0] for b in bars]
-            ax.barh(names, [b[1] for b in bars], color="#73bf69")
-            for y, (_, v) in enumerate(bars):
+            ax.barh(range(len(bars)), [b[1] for b in bars], color="#73bf69", height=0.45)
+            ax.set_yticks([])
+            top = max((b[1] for b in bars), default=0.0)
+            for y, (name, v) in enumerate(bars):  # (names above the bars: they are long)
+                ax.text(0, y - 0.26, name, va="bottom", ha="left", color="#ccccdc", fontsize=9)
                 ax.text(v, y, " " + _fmt(v, unit, panel["fieldConfig"]["defaults"].get("decimals")),
                         va="center", color="white", fontsize=10)
-            ax.invert_yaxis()
+            if top > 0:
+                ax.set_xlim(0, top * 1.18)
+            ax.set_ylim(len(bars) - 0.5, -0.9)  # first bar on top, room for its name
             drawn = len(bars)
         else:
             for fmt, series in data[title]["results"]:

@@ -176,7 +176,8 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
         section("An exemplar resolved to its trace (Prometheus /api/v1/query_exemplars)", lines)
 
     if fork and not args.no_preview:
-        data_panels = preview.query_panels(prom, t_start - 10, time.time(), JOB, SERVED_MODEL)
+        data_panels = preview.query_panels(prom, t_start - 10, time.time(), f"{JOB}|{ROUTER_JOB}",
+                                           SERVED_MODEL)
         path = preview.render(data_panels, preview.OUT, source="real vllm serve P/D (make demo)")
         print()
         clock(f"re-rendered {path.relative_to(REPO)} from this Prometheus")
