@@ -96,6 +96,7 @@ check-dashboards: venv
 
 dashboards: venv
 	$(PY) -m dashboards.generate
+	$(PY) -m deploy.render
 
 test: setup lint check-dashboards
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

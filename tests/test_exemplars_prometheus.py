@@ -106,7 +106,8 @@ def test_prometheus_returns_exemplars_for_every_latency_histogram(run: dict[str,
 
 def test_every_exemplar_resolves_to_a_received_span_of_its_kind(run: dict[str, Any]) -> None:
     by_id = {(s["trace_id"], s["span_id"]): s for s in run["spans"]}
-    kinds = {V.RECEIVE_DURATION.name: {V.SPAN_PUSH_RECEIVE},
+    kinds = {V.RECEIVE_DURATION.name: {V.SPAN_PUSH_RECEIVE}, V.KV_WAIT.name: {V.SPAN_PUSH_RECEIVE},
+             V.PUSH_WRITE_WAIT.name: {V.SPAN_PUSH_WRITE}, V.PUSH_WRITE_DURATION.name: {V.SPAN_PUSH_WRITE},
              V.HANDSHAKE_DURATION.name: {V.SPAN_HANDSHAKE},
              V.HANDSHAKE_PHASE_DURATION.name: {V.phase_span_name(p) for p in V.Phase}}
     for name, series in run["exemplars"].items():
