@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -408,6 +409,23 @@ def test_streamed_ttft_is_taken_at_the_first_event_not_the_end(deploy):
     assert ttft_count(dep, stream=False) == 0
     ttft = sample(dep, V.ROUTER_TTFT, "_sum", route=COMPLETIONS, stream="true")
     assert 0 < ttft < sample(dep, V.ROUTER_LEG_DURATION, "_sum", leg="decode", outcome="ok")
+
+
+def test_a_not_streamed_requests_prefill_leg_ends_when_p_answers(deploy):
+    """P's leg latency is P's: it is recorded when P answers, while D still works on the
+    answer the client waits for (it was recorded when both had answered)."""
+    dep = deploy(["ok"], ["wait"])
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(dep.post, BODY)
+        wait_until(lambda: legs_by_outcome(dep)[("prefill", "ok")] == 1, "P's leg", WAIT_S, 0.01)
+        assert legs_by_outcome(dep)[("decode", "ok")] == 0 and in_flight(dep) == 1
+        dep.journal.release.set()
+        assert answer.result().status_code == 200
+    settled(dep, 1)
+    only({"ok": 1}, outcomes(dep))
+    only({("prefill", "ok"): 1, ("decode", "ok"): 1}, legs_by_outcome(dep))
+    assert (sample(dep, V.ROUTER_LEG_DURATION, "_sum", leg="prefill", outcome="ok")
+            < sample(dep, V.ROUTER_LEG_DURATION, "_sum", leg="decode", outcome="ok"))
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -326,6 +326,9 @@ class Router:
             pending -= done
             if gone in done and not (p_task.done() and d_task.done()):
                 raise _ClientGone
+            for task in (p_task, d_task):
+                if task in done and not task.cancelled() and task.result().ok:
+                    ex.leg_result(task.result())  # a leg ends when it answers, not when both have
             for task, other, leg in ((p_task, d_task, RouterLeg.DECODE), (d_task, p_task, RouterLeg.PREFILL)):
                 if task in done and not task.result().ok and not other.done():
                     other.cancel()

@@ -1,7 +1,8 @@
 """Small real HTTP engines on loopback for router tests (uvicorn, real sockets).
 
 They record what arrived and can be told to wait for the other leg, fail, answer 400,
-hang until disconnected, or stream one event and hold the rest (`stream_wait`).
+hang until disconnected, or stream one event and hold the rest (`stream_wait`), or hold a whole
+answer (`wait`).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class Journal:
 
 class Engine:
     """An ASGI engine. mode: ok | fail | bad | hang | stream_wait (streams its first event, then
-    the rest once the journal's `release` is set or the router hangs up); `waits_for` names
-    the other leg's prefix."""
+    the rest once the journal's `release` is set or the router hangs up) | wait (answers, not
+    streamed, once `release` is set); `waits_for` names the other leg's prefix."""
 
     def __init__(self, name: str, journal: Journal, mode: str = "ok", waits_for: str = ""):
         self.name, self.journal, self.mode, self.waits_for = name, journal, mode, waits_for
@@ -116,6 +117,9 @@ class Engine:
                     return
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         else:
+            if self.mode == "wait" and not await self._released(receive):
+                self.journal.add("disconnect", self.name)
+                return
             await self._json(send, 200, {"choices": [{"token_ids": [11, 12, 13]}], "engine": self.name})
         self.journal.add("answer", self.name)
 
