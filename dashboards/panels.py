@@ -98,6 +98,13 @@ def target(expr: str, legend: str = "__auto", *, instant: bool = False) -> dict[
             "range": not instant, "instant": instant, "refId": ""}
 
 
+def quantile_targets(spec: MetricSpec, labels: tuple[str, ...], legend: str, *matchers: str,
+                     qs: tuple[float, ...] = (0.5, 0.95, 0.99)) -> list[dict[str, Any]]:
+    """One target per quantile of a latency histogram, legend "p<NN> <legend>"."""
+    return [target(quantile(q, spec, labels, RATE, *matchers), f"p{round(q * 100)} {legend}".rstrip())
+            for q in qs]
+
+
 def metric_label(spec: MetricSpec) -> str:
     """How a description names a metric: as /metrics shows a counter (`_total`), else its name."""
     return spec.series_names[0] if spec.kind is MetricKind.COUNTER else spec.name
@@ -304,18 +311,14 @@ def _latency() -> list[Cell]:
                         "Handshake wall time (submission to vLLM's handshake executor until done, "
                         "queue wait included) by direction and flavor: histogram_quantile over the "
                         f"rate of {dur.name}_bucket. {nan_note}",
-                        [target(quantile(q, dur, FLAVOR, RATE),
-                                f"p{round(q * 100)} {{{{direction}}}} notif_agents_only="
-                                "{{notif_agents_only}}")
-                         for q in (0.5, 0.95, 0.99)],
+                        quantile_targets(dur, FLAVOR,
+                                         "{{direction}} notif_agents_only={{notif_agents_only}}"),
                         "s", exemplars=True), 12, 9),
         Cell(timeseries("Executor queue wait p50 / p95 / p99",
                         "Time handshakes waited in vLLM's handshake executor queue before running "
                         f"(phase=\"queue_wait\" of {phase.name}). Growing values mean handshakes "
                         f"queue behind each other. {nan_note}",
-                        [target(quantile(q, phase, (Label.DIRECTION,), RATE, QUEUE_WAIT),
-                                f"p{round(q * 100)} {{{{direction}}}}")
-                         for q in (0.5, 0.95, 0.99)],
+                        quantile_targets(phase, (Label.DIRECTION,), "{{direction}}", QUEUE_WAIT),
                         "s", exemplars=True), 12, 9),
         Cell(timeseries("Per-phase latency p95",
                         "p95 of the time one handshake spent in each phase (queue_wait, "
@@ -369,9 +372,7 @@ def _push_flow() -> list[Cell]:
                         "PUSH_REG, P's prefill finishing, handshakes and the WRITE: the P/D health "
                         f"number. histogram_quantile over the rate of {rcv.name}_bucket; windows "
                         "without receives are dropped (`>= 0`).",
-                        [target(quantile(q, rcv, (Label.OUTCOME,), RATE),
-                                f"p{round(q * 100)} {{{{outcome}}}}")
-                         for q in (0.5, 0.95, 0.99)],
+                        quantile_targets(rcv, (Label.OUTCOME,), "{{outcome}}"),
                         "s", exemplars=True), 12, 8),
         Cell(timeseries("KV receives/s by outcome",
                         "Decode-side receives per second by outcome (success, failure, expired): "
@@ -457,8 +458,7 @@ def _ttft() -> list[Cell]:
                         "where vLLM's TTFT starts) until its KV landed (success), the receive "
                         "failed (failure) or expired. The push receive latency on the Push flow "
                         f"row starts later, at the registration. {nan_note}",
-                        [target(quantile(q, wait, (Label.OUTCOME,), RATE),
-                                f"p{round(q * 100)} {{{{outcome}}}}") for q in (0.5, 0.95, 0.99)],
+                        quantile_targets(wait, (Label.OUTCOME,), "{{outcome}}"),
                         "s", exemplars=True), 12, 8),
         Cell(timeseries("Mean TTFT on D: waiting for KV, then D's own work",
                         "Mean TTFT of decode engines split in two, stacked: the wait for KV, and "
@@ -473,15 +473,13 @@ def _ttft() -> list[Cell]:
                         "Per completed push on a prefill engine: from its KV lease granted (prefill "
                         "done) until its WRITE was posted. Long when decoders register late (their "
                         f"own queue), a handshake runs first, or the writer is busy. {nan_note}",
-                        [target(quantile(q, pwait, (), RATE), f"p{round(q * 100)}")
-                         for q in (0.5, 0.95, 0.99)],
+                        quantile_targets(pwait, (), ""),
                         "s", exemplars=True), 8, 8),
         Cell(timeseries("P: PUSH_REG matched -> WRITE done p50 / p95 / p99",
                         "Per completed push on a prefill engine: from the decoder's PUSH_REG "
                         "matched to the finished prefill until NIXL reported the WRITE done "
                         f"(the transfer itself, and any handshake before it). {nan_note}",
-                        [target(quantile(q, pwrite, (), RATE), f"p{round(q * 100)}")
-                         for q in (0.5, 0.95, 0.99)],
+                        quantile_targets(pwrite, (), ""),
                         "s", exemplars=True), 8, 8),
         Cell(timeseries("Share of D's TTFT spent waiting for KV",
                         "Seconds decode engines spent waiting for KV per second of their TTFT, over "
@@ -762,15 +760,13 @@ def _router() -> list[Cell]:
                         "router until its first token was sent (streamed: D's first event; not "
                         "streamed: the whole answer), by stream; successful requests only. Anchored on "
                         f"llm-d's true_ttft_ms. {nan_note}",
-                        [target(quantile(q, ttft, (stream,), RATE),
-                                f"p{round(q * 100)} stream={{{{stream}}}}") for q in (0.5, 0.95, 0.99)],
+                        quantile_targets(ttft, (stream,), "stream={{stream}}"),
                         "s", exemplars=True), 12, 8),
         Cell(timeseries("Leg latency p50 / p95 by leg",
                         "Wall time of the legs that succeeded, from the router sending a leg until its "
                         "answer was read to the end (D streamed: its last event), by leg (prefill: P's "
                         f"one-token answer; decode: D's whole answer). {nan_note}",
-                        [target(quantile(q, leg, (RouterLabel.LEG,), RATE, LEG_OK),
-                                f"p{round(q * 100)} {{{{leg}}}}") for q in (0.5, 0.95)],
+                        quantile_targets(leg, (RouterLabel.LEG,), "{{leg}}", LEG_OK, qs=(0.5, 0.95)),
                         "s", exemplars=True), 8, 8),
         Cell(timeseries("Router requests in flight",
                         "Client requests the router is handling now (received, answer not yet "
