@@ -17,7 +17,6 @@ moves over UCX's TCP transport between them, and the report shows the addresses.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import signal
 import sys
@@ -30,7 +29,7 @@ from demo import drive, report
 from demo.engines import PROGRESS_DELAY_US, REPO, SERVED_MODEL
 from demo.network import unavailable_reason
 from demo.stack import JOB, ROUTER_JOB, Stack
-from harness.poll import PollTimeout, wait_until
+from harness.poll import wait_until
 
 WORKDIR = REPO / ".cache" / "demo-run"
 
@@ -72,22 +71,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _sigterm(*_: Any) -> None:
     raise KeyboardInterrupt
-
-
-def ttft_splits(stack: Stack, outcomes: list[drive.Outcome]) -> list[report.TtftSplit]:
-    """Each request's TTFT split, once its trace holds every span it needs (30 s at most)."""
-    found: dict[str, report.TtftSplit] = {}
-
-    def complete() -> bool:
-        spans = stack.spans()
-        for o in outcomes:
-            if o.trace_id not in found and (sp := report.ttft_split(spans, o.trace_id)) is not None:
-                found[o.trace_id] = sp
-        return len(found) == len(outcomes)
-
-    with contextlib.suppress(PollTimeout):
-        wait_until(complete, "every request's stage spans", 30, 0.25)
-    return [found[o.trace_id] for o in outcomes if o.trace_id in found]
 
 
 def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
@@ -141,7 +124,7 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
     failed += router_failed
     section("Router (its /metrics; p50/p95: Prometheus, within buckets)", router)
     if fork and stack.receiver is not None:
-        splits = ttft_splits(stack, outcomes)
+        splits = list(report.wait_splits(stack.spans, outcomes, 30).values())
         means = report.ttft_dashboard_means(prom, JOB, SERVED_MODEL)
         lines, ttft_failed = report.ttft_lines(splits, means)
         failed += ttft_failed + (len(splits) < len(outcomes))

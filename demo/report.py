@@ -8,6 +8,7 @@ is computed from the demo's own bookkeeping, except the output check.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
 from collections import defaultdict
@@ -366,6 +367,24 @@ def ttft_split(spans: list[dict[str, Any]], trace_id: str) -> TtftSplit | None:
     streamed = bool(router["attributes"].get(RouterAttr.STREAM))
     return TtftSplit(client, streamed, p_ttft, (write["end"] - prefill_done) / 1e9, kv_wait,
                      d_ttft - kv_wait, 0.0 if streamed else d_e2e - d_ttft)
+
+
+def wait_splits(get_spans: Any, outcomes: Iterable[Outcome], timeout_s: float) -> dict[str, TtftSplit]:
+    """Request id -> its TTFT split, once every request's trace holds what the split needs, or
+    after `timeout_s` those that do (the caller says what is missing)."""
+    outcomes = list(outcomes)
+    found: dict[str, TtftSplit] = {}
+
+    def complete() -> bool:
+        spans = get_spans()
+        for o in outcomes:
+            if o.request_id not in found and (sp := ttft_split(spans, o.trace_id)) is not None:
+                found[o.request_id] = sp
+        return len(found) == len(outcomes)
+
+    with contextlib.suppress(PollTimeout):
+        wait_until(complete, "every request's stage spans and boundaries", timeout_s, 0.25)
+    return {o.request_id: found[o.request_id] for o in outcomes if o.request_id in found}
 
 
 MEAN_PANEL = "Mean TTFT by stage (range)"

@@ -396,17 +396,8 @@ def test_each_requests_ttft_stages_add_up_to_the_clients_ttft(stack: Stack,
     wait for KV) and, not streamed, the rest of D's answer add up to the TTFT the router
     measured for the client, within the tolerances `report.split_problems` states; and P's
     two stages make D's wait for KV. Five clocks in three processes, none derived from another."""
-    splits: dict[str, report.TtftSplit] = {}
-
-    def complete() -> bool:
-        spans = stack.spans()
-        for o in outcomes:
-            if o.request_id not in splits and (sp := report.ttft_split(spans, o.trace_id)) is not None:
-                splits[o.request_id] = sp
-        return len(splits) == len(outcomes)
-
-    wait_until(complete, "every request's stage spans and boundaries", SPAN_WAIT_S, 0.25,
-               last=lambda: sorted(splits))
+    splits = report.wait_splits(stack.spans, outcomes, SPAN_WAIT_S)
+    assert sorted(splits) == sorted(o.request_id for o in outcomes), "requests without a complete split"
     for request_id, sp in splits.items():
         assert min(sp.p_prefill, sp.p_handoff, sp.kv_wait, sp.d_rest) >= 0, (request_id, sp)
         assert sp.d_after_kv > 0, (request_id, sp)  # D's first token comes after its KV
