@@ -205,6 +205,13 @@ def changed(series: str, *matchers: str, labels: tuple[str, ...] = ()) -> str:
     return f"sum{grouping}({range_change(sel(series, *matchers))})"
 
 
+def range_mean(spec: MetricSpec, *matchers: str, labels: tuple[str, ...] = ()) -> str:
+    """A histogram's mean over the range (by `labels`): the exact change of its _sum over that
+    of its _count, the zero denominators of idle series dropped."""
+    return (f"{changed(hsum(spec), *matchers, labels=labels)} / "
+            f"({changed(hcount(spec), *matchers, labels=labels)} > 0)")
+
+
 # ------------------------------------------------------------------------- the rows
 def _overview() -> list[Cell]:
     dur_count = hcount(V.HANDSHAKE_DURATION)
@@ -332,9 +339,7 @@ def _latency() -> list[Cell]:
                       f"the dashboard range, the change of {phase.name}_sum divided by the change "
                       f"of {phase.name}_count (denominator guarded with > 0, so phases that did "
                       "not run are absent rather than NaN)." + EXACT_NOTE,
-                      [target(f"{changed(hsum(phase), labels=per_phase)} / "
-                              f"({changed(hcount(phase), labels=per_phase)} > 0)",
-                              "{{direction}} {{phase}}")],
+                      [target(range_mean(phase, labels=per_phase), "{{direction}} {{phase}}")],
                       "s", no_value="no handshake phases in range"), 12, 9, headline=True),
     ]
 
@@ -424,14 +429,10 @@ def _ttft() -> list[Cell]:
               "wait from prefill done to the WRITE posted, and the WRITE from the PUSH_REG matched "
               "until done.")
 
-    def mean(spec: MetricSpec, *matchers: str) -> str:
-        return f"{changed(hsum(spec), *matchers)} / ({changed(hcount(spec), *matchers)} > 0)"
+    def ratio(numerator: str, denominator: str) -> str:
+        return f"{numerator} / ({denominator} > 0)"
 
-    def rate_mean(sum_expr: str, count_expr: str) -> str:
-        return f"{sum_expr} / ({count_expr} > 0)"
-
-    def rate_of(series: str, *matchers: str) -> str:
-        return f"sum(rate({sel(series, *matchers)}[{RATE}]))"
+    waited_mean = ratio(f"sum(rate({sel(hsum(wait))}[{RATE}]))", f"sum(rate({sel(hcount(wait))}[{RATE}]))")
 
     return [
         Cell(bargauge("Mean TTFT by stage (range)",
@@ -439,11 +440,11 @@ def _ttft() -> list[Cell]:
                       "histogram's _sum divided by the change of its _count (denominator guarded "
                       "with > 0). D's TTFT is vLLM's own, over the decode engines only (engines "
                       "whose KV waits moved); the client's TTFT is on the Router row." + EXACT_NOTE,
-                      [target(mean(wait, RECEIVE_SUCCESS), "D: wait for KV (arrival -> KV landed)"),
-                       target(f"{_decoder_ttft(hsum, None)} / ({_decoder_ttft(hcount, None)} > 0)",
+                      [target(range_mean(wait, RECEIVE_SUCCESS), "D: wait for KV (arrival -> KV landed)"),
+                       target(ratio(_decoder_ttft(hsum, None), _decoder_ttft(hcount, None)),
                               "D: TTFT (vLLM)"),
-                       target(mean(pwait), "P: prefill done -> WRITE posted"),
-                       target(mean(pwrite), "P: PUSH_REG matched -> WRITE done")],
+                       target(range_mean(pwait), "P: prefill done -> WRITE posted"),
+                       target(range_mean(pwrite), "P: PUSH_REG matched -> WRITE done")],
                       "s", no_value="no requests in range"), 14, 6, headline=True),
         Cell(stat("Share of D's TTFT spent waiting for KV (range)",
                   "Seconds decode engines spent waiting for remote KV over the seconds of their "
@@ -464,10 +465,9 @@ def _ttft() -> list[Cell]:
                         "Mean TTFT of decode engines split in two, stacked: the wait for KV, and "
                         "the rest of vLLM's TTFT (D's queue after the KV landed and its first "
                         f"step). {nan_note}",
-                        [target(rate_mean(rate_of(hsum(wait)), rate_of(hcount(wait))), "waiting for KV"),
-                         target(f"{rate_mean(_decoder_ttft(hsum, RATE), _decoder_ttft(hcount, RATE))} - "
-                                f"{rate_mean(rate_of(hsum(wait)), rate_of(hcount(wait)))}",
-                                "after the KV landed")],
+                        [target(waited_mean, "waiting for KV"),
+                         target(f"{ratio(_decoder_ttft(hsum, RATE), _decoder_ttft(hcount, RATE))} - "
+                                f"{waited_mean}", "after the KV landed")],
                         "s", stacked=True), 12, 8),
         Cell(timeseries("P: prefill done -> WRITE posted p50 / p95 / p99",
                         "Per completed push on a prefill engine: from its KV lease granted (prefill "
@@ -743,11 +743,8 @@ def _router() -> list[Cell]:
                       "by stream, and mean wall time of the legs that succeeded, by leg, over the "
                       "dashboard range: the change of the histograms' _sum divided by the change of "
                       "their _count (denominator guarded with > 0)." + EXACT_NOTE,
-                      [target(f"{changed(hsum(ttft), labels=(stream,))} / "
-                              f"({changed(hcount(ttft), labels=(stream,))} > 0)", "TTFT stream={{stream}}"),
-                       target(f"{changed(hsum(leg), LEG_OK, labels=(RouterLabel.LEG,))} / "
-                              f"({changed(hcount(leg), LEG_OK, labels=(RouterLabel.LEG,))} > 0)",
-                              "{{leg}} leg")],
+                      [target(range_mean(ttft, labels=(stream,)), "TTFT stream={{stream}}"),
+                       target(range_mean(leg, LEG_OK, labels=(RouterLabel.LEG,)), "{{leg}} leg")],
                       "s", no_value="no requests in range"), 10, 6, headline=True),
         Cell(timeseries("Router requests/s by route and outcome",
                         "Client requests the router finished per second, by route and outcome: rate of "
