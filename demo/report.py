@@ -51,6 +51,11 @@ from harness.poll import PollTimeout, wait_until
 
 Sample = tuple[str, dict[str, str], float]
 
+# vLLM's own request span (one per engine and request) and the attributes read from it.
+VLLM_REQUEST_SPAN = "llm_request"
+VLLM_TTFT_ATTR = "gen_ai.latency.time_to_first_token"
+VLLM_E2E_ATTR = "gen_ai.latency.e2e"
+
 
 def samples(exposition: str) -> list[Sample]:
     """(sample name, labels, value) of a Prometheus text exposition."""
@@ -192,7 +197,8 @@ def rule_lines(prom: PrometheusServer) -> tuple[list[str], int]:
 def trace_missing(spans: list[dict[str, Any]], trace_id: str, fork: bool) -> set[tuple[str, str]]:
     """(service, span name) of the router, vLLM and (fork) push spans not yet in the trace."""
     got = {(s["service"], s["name"]) for s in spans if s["trace_id"] == trace_id}
-    want = {("router", SPAN_ROUTER_REQUEST), ("vllm-prefill", "llm_request"), ("vllm-decode", "llm_request")}
+    want = {("router", SPAN_ROUTER_REQUEST), ("vllm-prefill", VLLM_REQUEST_SPAN),
+            ("vllm-decode", VLLM_REQUEST_SPAN)}
     if fork:
         want |= {("vllm-decode", SPAN_PUSH_RECEIVE), ("vllm-prefill", SPAN_PUSH_WRITE)}
     return want - got
@@ -296,10 +302,6 @@ def router_lines(data: list[Sample], prom: PrometheusServer, job: str, sent: int
 
 
 # ------------------------------------------------------------------- where TTFT goes
-# vLLM's own request span (one per engine and request) and the attributes read from it.
-VLLM_REQUEST_SPAN = "llm_request"
-VLLM_TTFT_ATTR = "gen_ai.latency.time_to_first_token"
-VLLM_E2E_ATTR = "gen_ai.latency.e2e"
 
 
 @dataclass(frozen=True)

@@ -384,7 +384,8 @@ def test_every_request_is_one_trace_across_router_p_and_d(stack: Stack,
         transfer_id = router["attributes"][RouterAttr.TRANSFER_ID]
         assert o.request_id not in transfer_id
         for service in ("vllm-prefill", "vllm-decode"):
-            assert transfer_id in by_name[(service, "llm_request")]["attributes"]["gen_ai.request.id"]
+            vllm_span = by_name[(service, report.VLLM_REQUEST_SPAN)]
+            assert transfer_id in vllm_span["attributes"]["gen_ai.request.id"]
         assert by_name[("vllm-decode", SPAN_PUSH_RECEIVE)]
         assert by_name[("vllm-prefill", SPAN_PUSH_WRITE)]
 
