@@ -37,6 +37,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 .PHONY: chaos
 .PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak faults load clean venv-vllm033 venv-vllm033-deps test-vllm033 \
   venv-vllm034 venv-vllm034-deps test-vllm034
+.PHONY: preview
 
 setup: venv system-deps
 
@@ -178,6 +179,11 @@ demo: setup
 
 demo-harness: setup
 	$(PY) -m harness.demo
+
+# Refresh the tracked dashboards/preview/nixl-push-handshakes.png from the last `make demo` run's panel data
+preview: venv
+	@test -f .cache/demo-run/preview/panels.json || { echo "no .cache/demo-run/preview/panels.json: run make demo first" >&2; exit 1; }
+	$(PY) -m dashboards.preview --from-data .cache/demo-run/preview/panels.json --out dashboards/preview/nixl-push-handshakes.png
 
 # Every benchmark (`python -m benchmarks <name>`; `python -m benchmarks --help` lists them), one after the
 # other: each prints its figures and writes .cache/bench/<name>/<name>.json (a PNG where a chart helps), with

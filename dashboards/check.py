@@ -241,8 +241,8 @@ def check_conventions(dashboard: dict[str, Any]) -> list[str]:
 
 # ------------------------------------------------------------------------------ Perses
 def check_perses(grafana: dict[str, Any], resources: list[dict[str, Any]]) -> list[str]:
-    """Each Perses resource passes Perses' schema and carries every row, panel and query of
-    the Grafana dashboard, with a Perses counterpart for each panel type."""
+    """Each Perses resource passes our Perses schema (perses_schema.py) and carries every row,
+    panel and query of the Grafana dashboard, with a Perses counterpart for each panel type."""
     from dashboards import perses, perses_schema
 
     errors = [f"Grafana panel {p.get('title')!r}: type {p.get('type')!r} has no Perses counterpart "

@@ -5,14 +5,14 @@ and docs/telemetry.md, all rendered from `connector.vocabulary`.
     python -m dashboards.generate --check  # fail if a file is stale or a query is wrong
 
 `--check` fails when a checked-in file (Grafana, Perses, rules, Kubernetes objects, the doc)
-differs from what is generated, when the Perses dashboards fail Perses' schema or lose a
+differs from what is generated, when the Perses dashboards fail our Perses schema or lose a
 row, panel or query of the Grafana one, when a panel or
 rule selects a metric, label or label value the vocabulary does not define, when a
 metric of the vocabulary is on no panel, when a panel lacks a unit or a description
 naming its metrics, when a rate does not use `$__rate_interval` or a range panel uses
 `increase()`, and when a telemetry-error reason has no text for docs/telemetry.md.
 Which module does what: panels.py (dashboard), perses.py (the same for Perses),
-perses_schema.py (Perses' schema), rules.py (rules), k8s.py (YAML and the Kubernetes
+perses_schema.py (our transcription of Perses' schema), rules.py (rules), k8s.py (YAML and the Kubernetes
 objects), telemetry_doc.py (the doc), check.py (the checks).
 """
 

@@ -1,8 +1,9 @@
 """Offline validation of the generated Perses dashboards against Perses' published schema.
 
-Perses' own offline check is `percli lint`; it needs a Go build of perses/perses that
-this project cannot install (dashboards/README.md, "Perses"), so the test runs it only
-where `percli` is on PATH. What always runs is this: a JSON Schema written here from
+This is our own transcription, not Perses' validator. Perses' own offline check is
+`percli lint`; it needs a Go build of perses/perses that this project cannot install
+(dashboards/README.md, "Validation"), so its test is opt-in (PERCLI=/path/to/percli) and
+never runs in CI. What always runs is this: a JSON Schema written here by hand from
 Perses' published CUE definitions and Go model, at these versions:
 
 - perses/perses v0.54.0 (cue/model/api/v1: Dashboard, ProjectMetadata), which takes

@@ -1,6 +1,7 @@
 """Render a PNG preview of the main dashboard panels from a real run.
 
     python -m dashboards.preview [--out PATH] [--batches N]
+    python -m dashboards.preview --from-data .cache/demo-run/preview/panels.json   # `make preview`
 
 Starts the two-process push harness, serves P's and D's metrics front ends, starts a
 real Prometheus scraping both (1 s) with our rules, drives batches of pushes (each
@@ -8,6 +9,10 @@ batch's stats observed and scraped, then a few idle scrapes), then runs each sel
 panel's own queries (from the generated dashboard, variables filled in as Grafana
 would) through `query_range`/`query` and draws them with matplotlib in the dashboard's
 layout order. Takes about two minutes.
+
+`make demo` renders its own run's preview under `.cache/demo-run/preview/` and saves the
+query results beside it (`panels.json`); `--from-data` renders saved results without a
+run: `make preview` refreshes the tracked `dashboards/preview/` copy from the last demo's.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from dashboards import panels, promrun
 from harness.poll import wait_until
 
 OUT = Path(__file__).resolve().parent / "preview" / "nixl-push-handshakes.png"
+DATA_NAME = "panels.json"  # the query results saved beside a rendered preview (`make demo`)
+SOURCE_KEY = "_source"  # in saved query results: what the run was, for the title
 JOB = "vllm"
 STEP_S = 1.0
 RATE_INTERVAL = "10s"
@@ -146,8 +153,12 @@ def query_panels(prom: promrun.PrometheusServer, start: float, end: float, job: 
     return out
 
 
-def render(data: dict[str, Any], path: Path, source: str = "a real P/D push run") -> Path:
+def render(data: dict[str, Any], path: Path, source: str | None = None) -> Path:
+    """Draw the panels of `data` (`query_panels`' results) into `path`; `source` names the
+    run in the title (default: the one saved in `data`, else a harness run)."""
     import matplotlib
+
+    source = source or data.get(SOURCE_KEY) or "a real P/D push run"
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -210,8 +210,6 @@ def _prometheus_2() -> list[str]:
 
 def _ttft() -> list[str]:
     """How a request's TTFT splits into the stages the metrics and spans carry."""
-    from demo import report  # (the split and its tolerances are stated once, there)
-
     return ["## Where TTFT goes", "",
             "A disaggregated request's time to first token, stage by stage, each measured where it "
             "happens (the dashboard row \"Where TTFT goes\" shows them):", "",
@@ -219,8 +217,8 @@ def _ttft() -> list[str]:
             _row("client TTFT", "arrival at the router -> first token sent to the client",
                  f"`{V.ROUTER_TTFT.name}`", f"`{RouterAttr.TTFT}` on `{V.SPAN_ROUTER_REQUEST}`"),
             _row("P: queue and prefill", "arrival at P -> P's first token",
-                 f"`{V.VLLM_TTFT.name}` (vLLM's, on P)", f"`{report.VLLM_TTFT_ATTR}` on P's "
-                 f"`{report.VLLM_REQUEST_SPAN}`"),
+                 f"`{V.VLLM_TTFT.name}` (vLLM's, on P)", f"`{V.VLLM_TTFT_ATTR}` on P's "
+                 f"`{V.VLLM_REQUEST_SPAN}`"),
             _row("P: prefill done -> WRITE posted", "KV lease granted -> the WRITE starts posting",
                  f"`{V.PUSH_WRITE_WAIT.name}`", f"events `{V.SpanEvent.PREFILL_DONE}` and "
                  f"`{V.SpanEvent.WRITE_POSTED}`, attribute `{Attr.WRITE_WAIT}` on `{V.SPAN_PUSH_WRITE}`"),
@@ -230,17 +228,17 @@ def _ttft() -> list[str]:
                  f"`{V.KV_WAIT.name}` by `outcome`", f"`{Attr.KV_WAIT}` on `{V.SPAN_PUSH_RECEIVE}`"),
             _row("D: after the KV", "KV landed -> D's first token (D's queue and first step)",
                  f"`{V.VLLM_TTFT.name}` on D minus `{V.KV_WAIT.name}`",
-                 f"`{report.VLLM_TTFT_ATTR}` on D's `{report.VLLM_REQUEST_SPAN}` minus `{Attr.KV_WAIT}`"),
+                 f"`{V.VLLM_TTFT_ATTR}` on D's `{V.VLLM_REQUEST_SPAN}` minus `{Attr.KV_WAIT}`"),
             "",
             "The router sends P's and D's legs at once, so D's wait for KV covers P's queue, its "
             "prefill and the handoff (prefill done to WRITE done, which includes a PUSH_REG that came "
             "late and any handshake): per request, D's wait equals P's TTFT plus P's handoff within "
-            f"{report.JOIN_TOLERANCE_S * 1e3:.0f} ms + {report.JOIN_TOLERANCE_SHARE:.0%} of the wait "
+            f"{V.TTFT_JOIN_TOLERANCE_S * 1e3:.0f} ms + {V.TTFT_JOIN_TOLERANCE_SHARE:.0%} of the wait "
             "(each engine sees a boundary at its own step). The client's TTFT is P's TTFT, P's handoff, "
             "D's work after the KV (and, for an answer that is not streamed, the rest of D's answer) "
             "plus the router's own share (its hops and JSON), which lies between "
-            f"{report.ROUTER_SHARE_MIN_S * 1e3:.0f} ms and {report.ROUTER_SHARE_MAX_S * 1e3:.0f} ms + "
-            f"{report.ROUTER_SHARE_SHARE:.0%} of the client's TTFT. `make demo` prints this split for "
+            f"{V.TTFT_ROUTER_SHARE_MIN_S * 1e3:.0f} ms and {V.TTFT_ROUTER_SHARE_MAX_S * 1e3:.0f} ms + "
+            f"{V.TTFT_ROUTER_SHARE_SHARE:.0%} of the client's TTFT. `make demo` prints this split for "
             "every request; tests/test_e2e_serve.py checks it on real `vllm serve`, and that the row's "
             "exact panels equal the engines' `/metrics` in a real Prometheus.", "",
             f"The share of D's TTFT spent waiting for KV is `{V.KV_WAIT.name}_sum` over "

@@ -5,7 +5,8 @@ router (`python -m connector.router`), a local OTLP/gRPC receiver (or your colle
 with --otlp-endpoint) and a real Prometheus scraping both engines with the shipped
 rules and exemplar storage. Sends requests one by one, then a concurrent batch;
 checks each output equals a single-engine run; prints a report read from /metrics,
-Prometheus and the traces; re-renders dashboards/preview/*.png. Logs go to files.
+Prometheus and the traces; renders the dashboard preview into <workdir>/preview/ (the
+tracked dashboards/preview/ copy changes only by `make preview`). Logs go to files.
 
     python -m demo [--connector fork|stock] [--hosts] [--otlp-endpoint URL] [--serve]
 
@@ -65,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="requests sent concurrently afterwards")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--workdir", type=Path, default=WORKDIR, help="logs, Prometheus data")
-    p.add_argument("--no-preview", action="store_true", help="do not re-render dashboards/preview/*.png")
+    p.add_argument("--no-preview", action="store_true",
+                   help="do not render the dashboard preview (<workdir>/preview/)")
     return p.parse_args(argv)
 
 
@@ -161,10 +163,20 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
     if fork and not args.no_preview:
         data_panels = preview.query_panels(prom, t_start - 10, time.time(), f"{JOB}|{ROUTER_JOB}",
                                            SERVED_MODEL)
-        path = preview.render(data_panels, preview.OUT, source="real vllm serve P/D (make demo)")
+        data_panels[preview.SOURCE_KEY] = "real vllm serve P/D (make demo)"
+        out = args.workdir / "preview"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / preview.DATA_NAME).write_text(json.dumps(data_panels))
+        path = preview.render(data_panels, out / preview.OUT.name)
         print()
-        clock(f"re-rendered {path.relative_to(REPO)} from this Prometheus")
+        clock(f"rendered the dashboard preview from this Prometheus: {_shown(path)} "
+              f"(`make preview` renders it into {_shown(preview.OUT)})")
     return failed
+
+
+def _shown(path: Path) -> Path:
+    """`path` relative to the checkout when it is inside it."""
+    return path.relative_to(REPO) if path.is_relative_to(REPO) else path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,14 @@ from connector.vocabulary import (
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_WRITE,
     SPAN_ROUTER_REQUEST,
+    TTFT_JOIN_TOLERANCE_S,
+    TTFT_JOIN_TOLERANCE_SHARE,
+    TTFT_ROUTER_SHARE_MAX_S,
+    TTFT_ROUTER_SHARE_MIN_S,
+    TTFT_ROUTER_SHARE_SHARE,
+    VLLM_E2E_ATTR,
+    VLLM_REQUEST_SPAN,
+    VLLM_TTFT_ATTR,
     Attr,
     Label,
     LegOutcome,
@@ -50,11 +58,6 @@ from demo.drive import Outcome
 from harness.poll import PollTimeout, wait_until
 
 Sample = tuple[str, dict[str, str], float]
-
-# vLLM's own request span (one per engine and request) and the attributes read from it.
-VLLM_REQUEST_SPAN = "llm_request"
-VLLM_TTFT_ATTR = "gen_ai.latency.time_to_first_token"
-VLLM_E2E_ATTR = "gen_ai.latency.e2e"
 
 
 def samples(exposition: str) -> list[Sample]:
@@ -331,21 +334,15 @@ class TtftSplit:
         return self.kv_wait - (self.p_prefill + self.p_handoff)
 
 
-# How closely a request's stages must add up (seconds, plus a share of the figure compared):
-# P's two stages make D's wait for KV within JOIN (the legs reach P and D a few ms apart,
-# and each engine sees a boundary at its own step); the router's own share of the client's
-# TTFT (its hops, JSON, and D's answer back) lies within ROUTER_SHARE.
-JOIN_TOLERANCE_S, JOIN_TOLERANCE_SHARE = 0.1, 0.1
-ROUTER_SHARE_MIN_S, ROUTER_SHARE_MAX_S, ROUTER_SHARE_SHARE = -0.05, 0.25, 0.1
-
-
 def split_problems(sp: TtftSplit) -> list[str]:
-    """Where one request's stages do not add up within the stated tolerances."""
+    """Where one request's stages do not add up within the stated tolerances (the vocabulary's
+    `TTFT_JOIN_TOLERANCE_*` and `TTFT_ROUTER_SHARE_*`)."""
     out = []
-    if abs(sp.join) > JOIN_TOLERANCE_S + JOIN_TOLERANCE_SHARE * sp.kv_wait:
+    if abs(sp.join) > TTFT_JOIN_TOLERANCE_S + TTFT_JOIN_TOLERANCE_SHARE * sp.kv_wait:
         out.append(f"D waited {sp.kv_wait * 1e3:.0f} ms for KV, P's stages add up to "
                    f"{(sp.p_prefill + sp.p_handoff) * 1e3:.0f} ms")
-    if not ROUTER_SHARE_MIN_S <= sp.residual <= ROUTER_SHARE_MAX_S + ROUTER_SHARE_SHARE * sp.client_ttft:
+    if not (TTFT_ROUTER_SHARE_MIN_S <= sp.residual
+            <= TTFT_ROUTER_SHARE_MAX_S + TTFT_ROUTER_SHARE_SHARE * sp.client_ttft):
         out.append(f"client TTFT {sp.client_ttft * 1e3:.0f} ms, stages {sp.stages * 1e3:.0f} ms: "
                    f"the router's share {sp.residual * 1e3:.0f} ms is out of bounds")
     return out

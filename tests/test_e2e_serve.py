@@ -46,6 +46,7 @@ from connector.vocabulary import (
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_WRITE,
     SPAN_ROUTER_REQUEST,
+    VLLM_REQUEST_SPAN,
     VLLM_TTFT,
     Attr,
     Phase,
@@ -74,7 +75,7 @@ HOSTS = unavailable_reason() is None
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's own count of released leases
 FINISHED = "vllm:request_success_total"  # vLLM's own count of finished requests
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
-# What the tests learn that later ones compare with (tests run in file order).
+# What a fixture learns beside the value it returns (read by the tests that use that fixture).
 FACTS: dict[str, Any] = {}
 
 
@@ -135,30 +136,42 @@ def d_to_p(stack: Stack) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------- headline
-def test_first_d_to_p_handshake_is_heartbeat_triggered_and_notification_only(stack: Stack) -> None:
-    """D is busy when the first request arrives: the request waits in D's queue, D's
-    scheduler heartbeats P for it, and that heartbeat starts D's first handshake to P
-    (upstream makes it a full one). Ours is notification-only, phase by phase."""
+@pytest.fixture(scope="module")
+def first_request(stack: Stack) -> dict[str, Any]:
+    """The fork's first request, sent while D is busy: it waits in D's queue and D's
+    heartbeat for it starts D's first handshake to P. Its prompt and outcome, D's metrics
+    after it, and the descriptors that handshake saved (what the stock control compares
+    with)."""
     prompt = drive.make_prompts(1, seed=21)[0]
     with busy(stack.decode):
         request = drive.InBackground(stack.router.url, prompt, "e2e-first", MAX_TOKENS)
         wait_until(lambda: count(stack.decode, HEARTBEATS.name + "_total", outcome="sent") >= 1,
                    "D to heartbeat P for the queued request", 60, 0.5)
     first = request.join()
-    assert not first.error, first.error
-    assert first.tokens == drive.reference(stack.prefill.url, prompt, MAX_TOKENS, salt="ref-e2e-first")
     d = metric(stack.decode)
-    # (Recorded first: the stock control compares with it even when an assertion below fails.)
-    FACTS["saved"] = report.total(d, DESCRIPTORS_SAVED.name + "_total", direction="d_to_p")
+    return {"prompt": prompt, "outcome": first, "metrics": d,
+            "saved": report.total(d, DESCRIPTORS_SAVED.name + "_total", direction="d_to_p")}
+
+
+def test_first_d_to_p_handshake_is_heartbeat_triggered_and_notification_only(
+        stack: Stack, first_request: dict[str, Any]) -> None:
+    """D is busy when the first request arrives: the request waits in D's queue, D's
+    scheduler heartbeats P for it, and that heartbeat starts D's first handshake to P
+    (upstream makes it a full one). Ours is notification-only, phase by phase."""
+    first = first_request["outcome"]
+    assert not first.error, first.error
+    assert first.tokens == drive.reference(stack.prefill.url, first_request["prompt"], MAX_TOKENS,
+                                           salt="ref-e2e-first")
+    d, saved = first_request["metrics"], first_request["saved"]
     hs = HANDSHAKES.name + "_total"
     assert report.total(d, hs, direction="d_to_p") == 1
     assert report.total(d, hs, direction="d_to_p", trigger="heartbeat", notif_agents_only="true",
                         outcome="success") == 1
-    assert FACTS["saved"] > 0
+    assert saved > 0
     [span] = wait_until(lambda: d_to_p(stack), "D's handshake span", SPAN_WAIT_S)
     assert span["attributes"][Attr.TRIGGER] == "heartbeat"
     assert span["attributes"][Attr.NOTIF_AGENTS_ONLY] is True
-    assert span["attributes"][Attr.DESCRIPTORS_SAVED] == FACTS["saved"]
+    assert span["attributes"][Attr.DESCRIPTORS_SAVED] == saved
     phases = [s for s in stack.spans() if s["parent_span_id"] == span["span_id"]]
     wanted = {phase_span_name(p) for p in (Phase.METADATA_FETCH, Phase.AGENT_LOAD)}
     assert {s["name"] for s in phases} >= wanted
@@ -384,7 +397,7 @@ def test_every_request_is_one_trace_across_router_p_and_d(stack: Stack,
         transfer_id = router["attributes"][RouterAttr.TRANSFER_ID]
         assert o.request_id not in transfer_id
         for service in ("vllm-prefill", "vllm-decode"):
-            vllm_span = by_name[(service, report.VLLM_REQUEST_SPAN)]
+            vllm_span = by_name[(service, VLLM_REQUEST_SPAN)]
             assert transfer_id in vllm_span["attributes"]["gen_ai.request.id"]
         assert by_name[("vllm-decode", SPAN_PUSH_RECEIVE)]
         assert by_name[("vllm-prefill", SPAN_PUSH_WRITE)]
@@ -527,10 +540,11 @@ def stock(tmp_path_factory: pytest.TempPathFactory) -> Any:
     s.close()
 
 
-def test_stock_prepares_for_its_heartbeat_handshake_the_descriptors_the_fork_saves(stock: Stack) -> None:
+def test_stock_prepares_for_its_heartbeat_handshake_the_descriptors_the_fork_saves(
+        first_request: dict[str, Any], stock: Stack) -> None:
     """The same first request on stock vLLM: its heartbeat-triggered D->P handshake is a full
     one, and vLLM's own log says how many descriptors it prepared: exactly what the fork
-    reported saved."""
+    reported saved (`first_request`, on the fork deployment)."""
     prompt = drive.make_prompts(1, seed=21)[0]
     pattern = re.compile(r"Created (\d+) blocks for dst engine prefill-0")
     with busy(stock.decode):
@@ -541,8 +555,7 @@ def test_stock_prepares_for_its_heartbeat_handshake_the_descriptors_the_fork_sav
     assert "Transfer plan" in log
     created = [int(n) for n in pattern.findall(log)]
     assert sum(created) > 0
-    assert "saved" in FACTS, "run with the fork's headline test (it records what the fork saved)"
-    assert sum(created) == FACTS["saved"]
+    assert sum(created) == first_request["saved"]
 
 
 def test_stock_lets_queued_requests_lose_their_kv(stock: Stack) -> None:

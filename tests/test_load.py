@@ -43,8 +43,8 @@ BLOCKS_PER_REQUEST = 2
 D_BLOCKS = BATCH * BLOCKS_PER_REQUEST + 8  # a decoder's cache: one batch at a time
 LAYERS = 2
 
-# The suite's 600 s per-test limit covers the CI size; `make load` needs more.
-pytestmark = pytest.mark.timeout(600 + REQUESTS // 10 + 10 * DECODERS)
+# Real engines (marker `real`). The suite's 600 s per-test limit covers the CI size; `make load` needs more.
+pytestmark = [pytest.mark.real, pytest.mark.timeout(600 + REQUESTS // 10 + 10 * DECODERS)]
 
 OUR_SAMPLE_NAMES = {name for m in ALL_METRICS
                     for name in (*m.series_names, m.name + "_created")}

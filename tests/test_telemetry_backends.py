@@ -3,17 +3,18 @@
 One real P/D harness (real NIXL/UCX, ZMQ); both engines export spans through our
 tracer set-up (`BatchSpanProcessor` wrapped by `connector.telemetry.export_guard`):
 - D exports OTLP/HTTP to one port, whose back-end goes through three phases, each
-  taking `HOLD_S` seconds over every export attempt (tests/support/backends.py):
-  down (accepts, then drops the connection unanswered), slow (answers 200) and
-  refusing (answers 503, which the exporter retries);
+  holding every export attempt until the test releases it (tests/support/backends.py),
+  then: down (drops the connection unanswered), slow (answers 200) and refusing
+  (answers 503, which the exporter retries);
 - P exports to an exporter that raises on every export, throughout.
-A back-end that failed at once could not show a push waiting for it; these take
-seconds, and record when each export attempt arrived and ended. Per phase, half the
-pushes run, then, once an export attempt is under way, the other half: every push
-lands byte-for-byte and had landed on D before the first export attempt ended (no
-push waited on the back-end), the queue (16 spans) stayed within its bound, and
-every dropped or failed span reached the worker's stats as a counted telemetry
-error. gRPC UNAVAILABLE is tried in process against a real gRPC receiver.
+A back-end that failed at once could not show a push waiting for it; these hold every
+attempt, and record when each arrived and ended. Per phase, half the pushes run, then,
+once an export attempt is held at the back-end, the other half; only once all have
+landed does the test release the back-end. Every push lands byte-for-byte while that
+attempt is still held (the exporter was blocked throughout: a push that waited for it
+would never have landed), the queue (16 spans) stayed within its bound, and every
+dropped or failed span reached the worker's stats as a counted telemetry error. gRPC
+UNAVAILABLE is tried in process against a real gRPC receiver.
 """
 
 from __future__ import annotations
@@ -28,15 +29,21 @@ from harness import PushHarness
 from harness.otlp_receiver import OtlpGrpcReceiver
 from harness.poll import wait_until
 from harness.runner import free_port
-from tests.support.backends import ACCEPT, DROP, REFUSE, SlowBackend
+from tests.support.backends import ACCEPT, DROP, REFUSE, HeldBackend
 from tests.support.telemetry import reset_telemetry_errors
+
+real = pytest.mark.real  # the tests of the `backends` fixture: real engines
 
 QUEUE = 16
 BATCH = 8
-HOLD_S = 2.0  # every back-end takes this long over every export attempt
-# The exporter's budget per export, its retries included: a slow back-end's 200 comes
-# within it; a refusing one's 503 is retried once and then cut short by it.
-EXPORT_TIMEOUT_S = 2 * HOLD_S
+# The deadline of the pushes that run while an export attempt is held.
+PUSH_TIMEOUT_S = 30.0
+# The exporter's budget per export, its retries included. It is a deadline, not what the
+# test waits on: it covers the held pushes' deadline, so the exporter does not give up on
+# a held attempt before those pushes have landed (or failed). Once released, a slow
+# back-end's 200 comes at once; a down or refusing one's failures are retried until the
+# budget cuts them short.
+EXPORT_TIMEOUT_S = PUSH_TIMEOUT_S
 BSP = {"max_queue_size": QUEUE, "max_export_batch_size": BATCH, "export_timeout_s": EXPORT_TIMEOUT_S}
 REQUESTS = 20  # per phase, in two halves
 PHASES = {"down": DROP, "slow": ACCEPT, "refusing": REFUSE}
@@ -81,25 +88,27 @@ def _losses_counted(h: PushHarness, engine: str, tally: Counter, want: dict[str,
 
 def _phase(h: PushHarness, port: int, mode: str, tally: Counter) -> dict[str, Any]:
     """Pushes against one back-end; what they, the ledger and the back-end saw."""
-    backend = SlowBackend(port, mode, HOLD_S)
+    backend = HeldBackend(port, mode)
     try:
         before = _settled(h, "D")
         counted_before = Counter(tally)
         first = h.push(REQUESTS // 2, bulk=True, timeout_s=120)
-        # The second half runs while an export attempt is held: had a push to wait for
-        # one, the pushes would end only after it did.
-        wait_until(backend.snapshot, "an export attempt of D's spans to reach the back-end", 60)
-        second = h.push(REQUESTS - REQUESTS // 2, bulk=True, timeout_s=120)
+        # The second half runs while an export attempt is held, and the back-end is
+        # released only after it: had a push to wait for the exporter, it would not land.
+        under_way = wait_until(backend.snapshot, "an export attempt of D's spans to reach the back-end", 60)
+        second = h.push(REQUESTS - REQUESTS // 2, bulk=True, timeout_s=PUSH_TIMEOUT_S)
         ids = first.requests + second.requests
         landed = h["D"].call("results", ids)["finished_recving"]
         at_done = _delta(h["D"].call("span_ledger"), before)
+        held = backend.snapshot()  # every attempt so far, the pushes done, before the release
+        backend.release()
         led = _delta(_settled(h, "D"), before)
         attempts = wait_until(backend.all_ended, "every export attempt to end at the back-end", 30)
         want = {LOSSES[0]: counted_before[LOSSES[0]] + led["dropped"],
                 LOSSES[1]: counted_before[LOSSES[1]] + led["export_failed"]}
         _losses_counted(h, "D", tally, want)
         return {"reports": (first, second), "landed": landed, "at_done": at_done, "ledger": led,
-                "attempts": attempts, "spans_kept": backend.spans_kept,
+                "under_way": under_way, "held": held, "attempts": attempts, "spans_kept": backend.spans_kept,
                 "counted": {k: tally[k] - counted_before[k] for k in LOSSES}}
     finally:
         backend.close()
@@ -124,6 +133,7 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> Any:
         h.stop()
 
 
+@real
 @pytest.mark.parametrize("phase", PHASES)
 def test_pushes_complete_whatever_the_backend(backends: Any, phase: str) -> None:
     facts = backends["phases"][phase]
@@ -132,18 +142,21 @@ def test_pushes_complete_whatever_the_backend(backends: Any, phase: str) -> None
     assert sum(r.verified for r in facts["reports"]) == len(facts["landed"]) == REQUESTS
 
 
+@real
 @pytest.mark.parametrize("phase", PHASES)
 def test_pushes_did_not_wait_for_the_backend(backends: Any, phase: str) -> None:
-    """Every push of the phase had landed on D before the first export attempt ended,
-    though one was under way while half of them ran (receiver-side times against D's
-    receive times, one monotonic clock)."""
+    """Every push of the phase landed on D while the exporter was blocked: the export
+    attempt under way before the second half ran was still held by the back-end (not
+    ended, by it or by the exporter) once every push had landed; the back-end was
+    released only then."""
     facts = backends["phases"][phase]
-    attempts, done = facts["attempts"], max(facts["landed"].values())
-    assert attempts
-    assert min(a.began for a in attempts) < done < min(a.ended for a in attempts), (done, attempts)
+    assert len(facts["landed"]) == REQUESTS, facts["reports"]
+    under_way, held = facts["under_way"], facts["held"]  # `held` starts with `under_way`'s attempts
+    assert under_way and all(a.ended is None for a in held), (under_way, held)
     assert facts["at_done"]["ended"] >= 2 * REQUESTS  # receive + register span per request
 
 
+@real
 @pytest.mark.parametrize("phase", PHASES)
 def test_queue_bounded_and_every_loss_counted(backends: Any, phase: str) -> None:
     facts = backends["phases"][phase]
@@ -159,6 +172,7 @@ def test_queue_bounded_and_every_loss_counted(backends: Any, phase: str) -> None
     assert facts["counted"] == {LOSSES[0]: led["dropped"], LOSSES[1]: led["export_failed"]}
 
 
+@real
 def test_raising_exporter_counted_on_p(backends: Any) -> None:
     led = backends["p_ledger"]
     assert led["ended"] >= REQUESTS * len(PHASES)  # one nixl.push.write per request

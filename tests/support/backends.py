@@ -1,11 +1,11 @@
-"""OTLP/HTTP trace back-ends that take seconds over every export attempt, and say when.
+"""OTLP/HTTP trace back-ends that hold every export attempt until the test releases them.
 
-A back-end that fails at once cannot show that a push waited for it: the wait would
-be too short to see. These hold every request `hold_s` seconds before they answer
-(or drop the connection), like a collector that is overloaded or gone behind a load
-balancer, and record when each attempt arrived and ended on the machine's monotonic
-clock (`time.perf_counter`, the clock harness engines stamp their receives with), so
-a test can compare the two.
+A back-end that fails at once cannot show that a push did not wait for it. These hold
+every request, like a collector that is overloaded or gone behind a load balancer,
+until the test calls `release()` (or the client gives up first), then answer (or drop
+the connection) at once. The test releases only once every push it runs meanwhile has
+landed, so a push that waited for an export would never land. Each attempt records when
+it arrived and ended (`time.perf_counter`), and a test can see which were still held.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-# What each mode does once the hold is over.
+# What each mode does once released.
 DROP = "drop"  # closes the connection without an answer (a back-end gone behind a proxy)
 REFUSE = "refuse"  # answers 503 (an overloaded collector; the exporter retries it)
 ACCEPT = "accept"  # answers 200 and keeps the spans (a slow but working back-end)
@@ -36,16 +36,20 @@ class Attempt:
     how: str = ""  # answered | dropped | client_gone
 
 
-class SlowBackend:
-    """An OTLP/HTTP endpoint on 127.0.0.1:`port` that holds every request `hold_s` s."""
+class HeldBackend:
+    """An OTLP/HTTP endpoint on 127.0.0.1:`port` that holds every request until `release()`."""
 
-    def __init__(self, port: int, mode: str, hold_s: float):
+    def __init__(self, port: int, mode: str):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: one of {MODES}")
-        self.mode, self.hold_s = mode, hold_s
+        self.mode = mode
         self.lock = threading.Lock()
         self.attempts: list[Attempt] = []
         self.spans_kept = 0
+        # Set once released; `_wake` becomes readable then and stays so (nothing reads it),
+        # which wakes every held request and lets later ones through at once.
+        self.released = threading.Event()
+        self._wake, self._waker = socket.socketpair()
         backend = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -71,9 +75,18 @@ class SlowBackend:
         attempts = self.snapshot()
         return attempts if attempts and all(a.ended is not None for a in attempts) else None
 
+    def release(self) -> None:
+        """End the hold: held requests are answered (or dropped) now, later ones at once."""
+        if not self.released.is_set():
+            self.released.set()
+            self._waker.send(b"x")
+
     def close(self) -> None:
+        self.release()
         self._server.shutdown()
         self._server.server_close()
+        self._wake.close()
+        self._waker.close()
 
     # ------------------------------------------------------------------ serving
     def _serve(self, sock: socket.socket) -> None:
@@ -83,9 +96,27 @@ class SlowBackend:
         attempt = Attempt(began=time.perf_counter())
         with self.lock:
             self.attempts.append(attempt)
-        how = "client_gone" if _client_hangs_up(sock, self.hold_s) else self._answer(sock, body)
+        how = "client_gone" if self._client_hangs_up(sock) else self._answer(sock, body)
         with self.lock:
             attempt.ended, attempt.how = time.perf_counter(), how
+
+    def _client_hangs_up(self, sock: socket.socket) -> bool:
+        """Hold the request until released; True as soon as the client closes its end
+        first (its own timeout ended the attempt)."""
+        try:
+            while not self.released.is_set():
+                readable, _, _ = select.select([sock, self._wake], [], [])
+                if self._wake in readable:
+                    return False
+                try:
+                    if sock.recv(1, socket.MSG_PEEK) == b"":
+                        return True
+                except OSError:
+                    return True
+                select.select([self._wake], [], [])  # (more data, not a hang-up: the hold goes on)
+        except (OSError, ValueError):  # `_wake` closed: the back-end was released and closed
+            pass
+        return False
 
     def _answer(self, sock: socket.socket, body: bytes) -> str:
         try:
@@ -131,21 +162,3 @@ def _read_request(sock: socket.socket) -> bytes | None:
     except OSError:
         return None
     return gzip.decompress(body) if headers.get(b"content-encoding") == b"gzip" else body
-
-
-def _client_hangs_up(sock: socket.socket, hold_s: float) -> bool:
-    """Hold the request `hold_s` seconds (the back-end being slow); True as soon as the
-    client closes its end (its own timeout ended the attempt first)."""
-    deadline = time.perf_counter() + hold_s
-    while (left := deadline - time.perf_counter()) > 0:
-        readable, _, _ = select.select([sock], [], [], left)
-        if not readable:
-            return False
-        try:
-            if sock.recv(1, socket.MSG_PEEK) == b"":
-                return True
-        except OSError:
-            return True
-        select.select([], [], [], left)  # (more data, not a hang-up: the hold goes on)
-        return False
-    return False
