@@ -1071,3 +1071,19 @@ METRIC_LABEL_VALUES.update({
     (ROUTER_LEG_DURATION.name, Label.OUTCOME): tuple(o.value for o in LegOutcome),
     (ROUTER_LEGS_CANCELLED.name, Label.REASON): tuple(r.value for r in LegCancel),
 })
+
+# ============================================= vLLM's request span and the TTFT split's tolerances
+# Not ours: vLLM's own request span (one per engine and request, `OutputProcessor.do_tracing`)
+# and the attributes the TTFT split reads from it. Named here, beside our spans, so the demo's
+# report, the tests and the generated docs/telemetry.md spell them once (not a `SPAN_` name:
+# docs/telemetry.md lists those as the connector's spans).
+VLLM_REQUEST_SPAN = "llm_request"
+VLLM_TTFT_ATTR = "gen_ai.latency.time_to_first_token"
+VLLM_E2E_ATTR = "gen_ai.latency.e2e"
+# How closely a request's TTFT stages must add up (seconds, plus a share of the figure compared):
+# P's two stages make D's wait for KV within JOIN (the legs reach P and D a few ms apart, and
+# each engine sees a boundary at its own step); the router's own share of the client's TTFT
+# (its hops, JSON, and D's answer back) lies within ROUTER_SHARE. The demo's report and
+# tests/test_e2e_serve.py hold each request to them; docs/telemetry.md states them.
+TTFT_JOIN_TOLERANCE_S, TTFT_JOIN_TOLERANCE_SHARE = 0.1, 0.1
+TTFT_ROUTER_SHARE_MIN_S, TTFT_ROUTER_SHARE_MAX_S, TTFT_ROUTER_SHARE_SHARE = -0.05, 0.25, 0.1
