@@ -180,6 +180,7 @@ class ReceiveAbandon(_Vocab):
     CLIENT_GONE = "client_gone"  # the request was aborted (client disconnected) while it waited
     TIMED_OUT = "registration_timeout"  # no KV within push_registration_timeout
     PEER_UNREACHABLE = "peer_unreachable"  # P answered nothing for longer than a lease
+    INTERNAL_ERROR = "internal_error"  # a step of the receive raised (a defect): logged at ERROR
 
 
 class LeaseState(_Vocab):

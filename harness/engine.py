@@ -78,18 +78,12 @@ def _descriptor_count(descs: Any) -> int:
 
 def install_fault_agent(worker: Any, seed: int) -> Any:
     """Put the harness's fault layer between the worker and its NIXL agent (under the
-    fork's probe, so the probe sees what the 'network' delivers)."""
+    fork's notification router, so it routes what the 'network' delivers)."""
     from harness.fault_agent import FaultyAgent
 
-    wrapper = worker.nixl_wrapper
-    inner = wrapper.__dict__.get("_agent")
-    if inner is None:  # stock: vLLM's agent itself
-        worker.nixl_wrapper = faulty = FaultyAgent(wrapper, seed)
-        return faulty
-    faulty = FaultyAgent(inner, seed)
-    object.__setattr__(wrapper, "_agent", faulty)
-    for name in ("transfer", "check_xfer_state", "release_xfer_handle"):  # (cached bindings)
-        wrapper.__dict__.pop(name, None)
+    if hasattr(worker, "observed_interpose"):  # the fork: below its router (its declared seam)
+        return worker.observed_interpose(lambda agent: FaultyAgent(agent, seed))
+    worker.nixl_wrapper = faulty = FaultyAgent(worker.nixl_wrapper, seed)  # stock: vLLM's agent
     return faulty
 
 
@@ -230,10 +224,9 @@ class Engine(FaultCommands, InstrumentCommands):
         out: dict[str, Any] = {name: len(getattr(w, name)) for name in (
             "_reqs_to_send", "_reqs_to_process", "_recving_metadata", "_push_finished_blocks",
             "_pending_d_registrations", "_sending_transfers") if hasattr(w, name)}
-        for owner in ("_leases", "_receives", "_peers"):
-            table = getattr(w, owner, None)
-            if table is not None:
-                out[owner] = table.snapshot()
+        if hasattr(w, "observed_state"):  # the fork's owners (its declared seam)
+            state = w.observed_state()
+            out.update((owner, state[owner]) for owner in ("leases", "receives", "connections"))
         return out
 
     def cmd_faults(self, notif_faults: dict[str, dict[str, Any]]) -> None:
@@ -443,7 +436,8 @@ class Engine(FaultCommands, InstrumentCommands):
         return {
             "remote_agents": {eid: len(a) for eid, a in dict(w._remote_agents).items()},
             "dst_handles": {eid: len(h) for eid, h in dict(w.dst_xfer_side_handles).items()},
-            "notif_only": sorted(getattr(w, "_notif_only_engines", ())),
+            "notif_only": (w.observed_state()["connections"]["notif_only"]
+                           if hasattr(w, "observed_state") else []),
         }
 
     def cmd_spans(self) -> list[dict[str, Any]]:
@@ -452,13 +446,12 @@ class Engine(FaultCommands, InstrumentCommands):
         return flush_and_collect()
 
     def cmd_tracing_enabled(self) -> bool:
-        spans = getattr(self.worker, "_spans", None)
-        return bool(spans is not None and spans.enabled)
+        return getattr(self.worker, "observed_tracer", None) is not None
 
     def cmd_tracer_kind(self) -> str | None:
         """The class of the tracer our spans come from."""
-        spans = getattr(self.worker, "_spans", None)
-        return None if spans is None or spans.tracer is None else type(spans.tracer).__name__
+        tracer = getattr(self.worker, "observed_tracer", None)
+        return None if tracer is None else type(tracer).__name__
 
     def cmd_forget(self, engine_id: str) -> None:
         """Drop a remote engine (vLLM's TTL eviction path) so it can be re-measured."""
@@ -479,13 +472,11 @@ class Engine(FaultCommands, InstrumentCommands):
         """Entries in the fork worker's per-request telemetry state (empty for stock);
         with `upstream`, vLLM's own per-request tables instead (stock and fork)."""
         w = self.worker
-        tables = ("_write_spans", "_receive_spans", "_register_spans", "_request_contexts",
-                  "_pushing", "_push_failed", "_lease_expired", "_receive_clock", "_in_flight",
-                  "_lease_expired_bases", "_write_deferred_at")
-        if upstream:
-            tables = ("_recving_transfers", "_recving_metadata", "_reqs_to_send", "_reqs_to_process",
-                      "consumer_notification_counts_by_req", "_push_finished_blocks",
-                      "_pending_d_registrations", "_engine_last_active", "_sending_transfers")
+        if not upstream:
+            return w.observed_state()["telemetry_tables"] if hasattr(w, "observed_state") else {}
+        tables = ("_recving_transfers", "_recving_metadata", "_reqs_to_send", "_reqs_to_process",
+                  "consumer_notification_counts_by_req", "_push_finished_blocks",
+                  "_pending_d_registrations", "_engine_last_active", "_sending_transfers")
         return {name: len(getattr(w, name)) for name in tables if hasattr(w, name)}
 
     def cmd_now(self) -> float:

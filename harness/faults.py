@@ -51,9 +51,8 @@ class FaultCommands:
     def cmd_suspect(self, engine_id: str) -> None:
         """Mark a remote engine's connection failed, as a failed notification or WRITE
         does: the next step drops it (the engine itself may be alive)."""
-        from connector.vocabulary import PeerReset
 
-        self.worker._peers.failed(engine_id, PeerReset.NOTIFICATION_FAILED)
+        self.worker.observed_suspect(engine_id)
 
     def cmd_answer_side_channel_late(self, delay_ms: float) -> None:
         """Every side-channel answer of this engine leaves `delay_ms` late: the round

@@ -30,14 +30,16 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _as_heartbeat(worker: Any, call: Any, *args: Any) -> Any:
-    """`call(*args)` with the handshakes it starts tagged heartbeat-triggered (the fork's
-    worker; a plain call on stock)."""
+def _heartbeat_handshake(worker: Any, prefill: dict[str, Any]) -> Any:
+    """The D->P handshake a heartbeat asks for: through the fork's declared seam (tagged
+    heartbeat-triggered), or vLLM's own `_ensure_handshake` on stock (full for PP=1)."""
     from connector.vocabulary import Trigger
 
-    if hasattr(worker, "_run_triggered"):
-        return worker._run_triggered(Trigger.HEARTBEAT, None, call, *args)
-    return call(*args)
+    if hasattr(worker, "observed_connect"):
+        return worker.observed_connect(Trigger.HEARTBEAT, prefill["engine_id"], prefill["host"],
+                                       prefill["port"], 1, dcp_size=1, pp_size=1)
+    return worker._ensure_handshake(prefill["engine_id"], prefill["host"], prefill["port"], 1, 1, 1,
+                                    False)
 
 
 class ExecutorClock:
@@ -92,9 +94,7 @@ class InstrumentCommands:
     nixl_log: Any
 
     def _handshake(self, prefill: dict[str, Any]) -> Future | None:
-        w = self.worker
-        return _as_heartbeat(w, w._ensure_handshake, prefill["engine_id"], prefill["host"],
-                             prefill["port"], 1, 1, 1, False)
+        return _heartbeat_handshake(self.worker, prefill)
 
     def _settled(self, engine_ids: list[str]) -> None:
         agents = self.worker._remote_agents

@@ -141,8 +141,8 @@ def test_a_dropped_trace_costs_no_span_and_keeps_no_state(trio_early):
     [register] = [s for s in d_spans if s["name"] == SPAN_PUSH_REGISTER
                   and s["attributes"][Attr.REQUEST_ID] == d_kept]
     assert (write["trace_id"], write["parent_span_id"]) == (register["trace_id"], register["span_id"])
-    for engine, tables in (("U", ("_write_spans", "_write_deferred_at", "_request_contexts")),
-                           ("D", ("_receive_spans", "_register_spans"))):
+    for engine, tables in (("U", ("write_spans", "write_deferred_at", "request_contexts")),
+                           ("D", ("receive_spans", "register_spans"))):
         sizes = h.wait_for(engine, lambda s, tables=tables: not any(s[t] for t in tables),
                            command="state_sizes")
         assert not any(sizes[t] for t in tables), sizes

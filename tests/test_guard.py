@@ -191,9 +191,9 @@ def test_every_tested_minor_pins_the_same_functions_each_with_its_reason():
 
 
 def test_the_pin_lines_printed_for_the_installed_vllm_are_its_minors(capsys):
-    """`python -m connector.glue.pins` prints what the lead pastes for a new minor; for the
+    """`python -m connector.glue.guard` prints what the lead pastes for a new minor; for the
     installed (tested) one it is that minor's table, line for line."""
-    assert pins.main([]) == 0
+    assert guard.main([]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"# vLLM {VERSION}"
     printed = dict(line.strip().rstrip(",").replace('"', "").split(": ") for line in lines[1:])

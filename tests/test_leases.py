@@ -19,7 +19,6 @@ upstream reaper that stopped at the first live lease (vLLM issue #58222).
 from __future__ import annotations
 
 import secrets
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,14 +28,11 @@ from typing import Any
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import HeartbeatInfo
 
 from connector.glue.worker import ObservedPushWorker
-from connector.state.leases import LeaseLedger
-from connector.telemetry.span_table import BoundedIdSet
-from connector.telemetry.stats import ObservedNixlStats
-from connector.telemetry.tracing import SpanEmitter
-from connector.vocabulary import LeaseFate, LeaseRenewal, ReceiveFailure, StatKey
+from connector.telemetry.record import HandshakeError
+from connector.vocabulary import ErrorType, LeaseFate, LeaseRenewal, ReceiveFailure, StatKey
 from harness import PushHarness
 from harness.cluster import rank_context
 from harness.config import FORK, STOCK, EngineSpec
@@ -341,21 +337,17 @@ def test_decode_fails_a_receive_whose_prefill_is_unreachable_within_the_retry_bu
 
 
 # --------------------------------------------------------------- unit tests
-def bare_lease_worker() -> Any:
-    """A fork worker with only what the lease code reads (no vLLM constructor, no NIXL)."""
-    w = object.__new__(ObservedPushWorker)
-    w._init_leases()
-    w._leases = LeaseLedger(lease_s=KV_LEASE_DURATION_S, extension_s=KV_LEASE_DURATION_S * 2 // 3,
-                            write_timeout_s=10.0, margin_s=1.0, base_of=get_base_request_id)
+def bare_lease_worker(kv_role: str = "kv_producer", handshake_pool: Any = None) -> Any:
+    """A fork worker without vLLM's engine or NIXL (`ObservedPushWorker.without_engine`),
+    plus the maps of vLLM's that its reaper and notification paths read."""
+    w = ObservedPushWorker.without_engine(
+        kv_role, extra={"kv_lease_duration": KV_LEASE_DURATION_S, "push_write_timeout_s": 10.0,
+                        "push_lease_margin_s": 1.0},
+        lease_extension=KV_LEASE_DURATION_S * 2 // 3, handshake_pool=handshake_pool)
     w._reqs_to_send = {}
     w._reqs_to_process = set()
     w.consumer_notification_counts_by_req = {}
     w.expected_consumer_notifications_by_req = {}
-    w._lease_extension = KV_LEASE_DURATION_S * 2 // 3
-    w.xfer_stats = ObservedNixlStats()
-    w._push_lock = threading.Lock()
-    w._push_failed = BoundedIdSet()
-    w._spans = SpanEmitter(None)
     return w
 
 
@@ -434,18 +426,62 @@ def test_lease_released_after_the_pass_it_was_due_is_counted_late(
     assert len(stats.get(StatKey.LEASES_REAPED_LATE, [])) == (1 if released_at_pass > 1 else 0)
 
 
+class RecordingExecutor:
+    """A handshake pool that runs nothing: the test settles each attempt's future."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[Any, Future]] = []
+
+    def submit(self, fn: Any, record: Any, dcp: int) -> Future:
+        inner: Future = Future()
+        self.jobs.append((record, inner))
+        return inner
+
+    def settle(self, engine_id: str, result: Any = None, error: BaseException | None = None) -> None:
+        (inner,) = [f for r, f in self.jobs if r.remote_engine_id == engine_id and not f.done()]
+        inner.set_running_or_notify_cancel()
+        if error is not None:
+            inner.set_exception(error)
+        else:
+            inner.set_result(result)
+
+
+class SentNotifs:
+    """The NIXL agent's `send_notif`, recorded (a narrow unit test: no NIXL)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Any, bytes]] = []
+
+    def send_notif(self, agent: Any, notif_msg: bytes) -> None:
+        self.sent.append((agent, notif_msg))
+
+
 def test_a_kept_heartbeat_goes_once_its_handshake_connected_and_never_restarts_a_failed_one():
-    """D keeps a heartbeat vLLM dropped while its engine's handshake was pending. Once
-    connected it goes out; while pending it stays kept; if the handshake failed it is
+    """D keeps a heartbeat it could not send while its engine's handshake was pending.
+    Once connected it goes out; while pending it stays kept; if the handshake failed it is
     dropped, else every engine step would start a new handshake to a peer that refuses
     (found on vLLM 0.34, where push refuses other block sizes at every handshake)."""
-    w = bare_lease_worker()
-    w._handshake_lock = threading.Lock()
-    w._handshake_futures = {"p-pending": Future()}
-    w._remote_agents = {"p-connected": {0: b"agent"}}
-    w._owed_heartbeats = {e: SimpleNamespace(req_ids={"d1"})
-                          for e in ("p-failed", "p-pending", "p-connected")}
-    assert set(w._owed_heartbeats_due()) == {"p-connected"}
-    assert set(w._owed_heartbeats) == {"p-pending"}
-    del w._handshake_futures["p-pending"]  # ... and it failed
-    assert w._owed_heartbeats_due() == {} and w._owed_heartbeats == {}
+    pool = RecordingExecutor()
+    w = bare_lease_worker("kv_consumer", handshake_pool=pool)
+    w.nixl_wrapper = agent = SentNotifs()
+    engines = ("p-failed", "p-pending", "p-connected")
+    w._receives.start({f"d-{e}": {"remote_engine_id": e} for e in engines}, time.perf_counter())
+
+    def step(*beating: str) -> list[Any]:
+        """One engine step's heartbeats; the agents they went to."""
+        w._send_heartbeats(SimpleNamespace(heartbeat_by_engine={
+            e: HeartbeatInfo(req_ids={f"d-{e}"}, host="h", port=1, tp_size=1) for e in beating}))
+        out = [a for a, _ in agent.sent]
+        agent.sent.clear()
+        return out
+
+    step("p-connected")
+    pool.settle("p-connected", ({(0, 0): "agent-c"}, 0.0))
+    assert step(*engines) == ["agent-c"]
+    assert sorted(r.remote_engine_id for r, _ in pool.jobs) == sorted(engines)
+    assert all(r.notif_only for r, _ in pool.jobs)  # (every D->P handshake)
+    assert step() == [] and len(pool.jobs) == 3  # still pending: kept, no new handshake
+    pool.settle("p-failed", error=HandshakeError(ErrorType.CONFIG_MISMATCH, "refused"))
+    pool.settle("p-pending", ({(0, 0): "agent-p"}, 0.0))
+    assert step() == ["agent-p"]  # the kept heartbeat goes; p-failed's is dropped, not retried
+    assert step() == [] and len(pool.jobs) == 3

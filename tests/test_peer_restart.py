@@ -106,6 +106,23 @@ def test_prefill_restart_fails_the_waiting_receive_at_once_and_new_requests_work
     assert report.ok, (report.failed, report.mismatched)
 
 
+def test_requests_sent_right_after_a_prefill_restart_all_complete(harness) -> None:
+    """P restarts under the same engine id and requests arrive at once, before D noticed:
+    their PUSH_REGs meet the dead agent (or no agent, while D drops it). Each is sent
+    again with the new connection, whatever vLLM's failure policy would do with a
+    receive that reached no agent: all complete, bytes intact, none failed."""
+    h = harness
+    d_stats = Stats(h, "D")
+    prefill = "P"
+    for restarted in ("P2", "P3"):
+        restart(h, prefill, restarted)
+        prefill = restarted
+        report = h.push(3, prefill=prefill, bulk=True)
+        assert report.ok, (report.failed, report.mismatched)
+    assert d_stats.values(StatKey.RECEIVE_FAILURES) == Counter()
+    assert d_stats.values(StatKey.PEER_RESETS) == Counter({"d_to_p|notification_failed": 2})
+
+
 def test_decode_restart_under_prefill_fails_the_caught_push_fast_then_works(harness) -> None:
     h = harness
     restart(h, "D", "D2")
@@ -163,7 +180,7 @@ def test_decode_dies_while_prefill_holds_a_lease_it_heartbeated(tmp_path: Any) -
         p_id, _ = ids()
         p_blocks = h["P"].allocate(2)
         h["P"].call("finish", p_id, p_blocks, float(SHORT_LEASE_S))
-        wait_until(lambda: h["P"].call("push_state")["_leases"]["leases"].get("held") == 1,
+        wait_until(lambda: h["P"].call("push_state")["leases"]["leases"].get("held") == 1,
                    "P to hold the lease")
         h["D"].call("heartbeat", h["P"].address, p_id)  # the request waits in D's queue
         wait_until(lambda: p_stats.values(StatKey.LEASE_RENEWALS)["renewed"] > renewed,

@@ -9,6 +9,7 @@ main thread's reaper on real threads.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from hypothesis import settings
@@ -16,8 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
+from connector.state.connections import ConnectionTable
 from connector.state.leases import LeaseLedger, Refusal
-from connector.state.peers import PeerTable
 from connector.state.receives import ReceiveLedger, ReceiveState
 from connector.vocabulary import (
     LeaseRenewal,
@@ -181,17 +182,125 @@ def test_a_duplicated_push_reg_is_dropped_not_acted_on_twice():
     assert refusal is not None and refusal.rejection is PushRegRejection.DUPLICATE
 
 
+def connected(conns: ConnectionTable, engine: str, agents: dict, now: float = 1.0,
+              notif_only: bool = False):
+    """The table as a finished handshake of that flavor leaves it."""
+    decision = conns.ensure(engine, notif_only=notif_only, for_write=not notif_only)
+    return conns.connected(engine, decision.pending, agents, 0.0, now)
+
+
 def test_no_write_is_posted_to_a_connection_being_dropped_nor_dropped_under_a_write():
-    leases = ledger()
+    """The drop protocol (docs/architecture.md, "Dropping a connection"): the main thread
+    marks the connection dropping, then asks the lease ledger; the writer makes its lease
+    POSTING, then asks the connection. Whichever comes second sees the first."""
+    leases, conns = ledger(), ConnectionTable(forget_after_s=100.0)
+    connected(conns, "d1", {(0, 0): "agent"})
     leases.grant({p_id("a"): 100.0, p_id("b"): 100.0}, None, 0.0)
     assert leases.claim(p_id("a"), reg("a", engine="d1"), None, None, now=1.0) is None
-    assert leases.begin_drop("d1")  # claimed, not posted yet: may drop
-    assert leases.begin_post(p_id("a"), None, now=1.0) == "retry"
-    leases.end_drop("d1")
+    # The drop first: a claimed, unposted lease does not hold it; the writer then finds
+    # the connection dropping before it posts, and undoes its POSTING.
+    epoch, _ = conns.for_write("d1")
+    assert conns.begin_drop("d1") is not None and not leases.posting_to("d1")
     assert leases.begin_post(p_id("a"), None, now=1.0) is None
-    assert not leases.begin_drop("d1")  # posting
-    leases.posted(p_id("a"), 1)
-    assert not leases.begin_drop("d1")  # in flight
+    assert not conns.writable("d1", epoch)
+    leases.unpost(p_id("a"))
+    assert leases.state_of(p_id("a")) is LeaseState.CLAIMED and conns.for_write("d1") is None
+    conns.cancel_drop("d1")
+    # The writer first: its POSTING lease keeps the drop off.
+    epoch, _ = conns.for_write("d1")
+    assert leases.begin_post(p_id("a"), None, now=1.0) is None
+    assert conns.begin_drop("d1") is not None and leases.posting_to("d1")
+    conns.cancel_drop("d1")
+    assert conns.writable("d1", epoch)
+    assert leases.posted(p_id("a"), 1)  # (its push counted started, once)
+    assert not leases.posted(p_id("a"), 1)
+    assert leases.posting_to("d1")  # in flight: the drop waits
+
+
+def drop_race(writer_checks_first: bool = False) -> list[tuple[str, int]]:
+    """The writer posts while the main thread drops and reconnects the decoder's
+    connection, on two real threads; the sequence of WRITEs posted and drops done, each
+    with its connection's epoch. `writer_checks_first`: the writer asks the connection
+    before its lease is POSTING (the wrong order)."""
+    leases, conns = ledger(limit=100000), ConnectionTable(forget_after_s=1e9)
+    connected(conns, "d1", {(0, 0): "agent"})
+    events: list[tuple[str, int]] = []  # (list.append is atomic: one order for both threads)
+    stop = threading.Event()
+
+    attempts = [0]
+
+    def writer() -> None:
+        for i in range(3000):
+            attempts[0] = i
+            req = p_id(f"w{i}")
+            leases.grant({req: 1e9}, None, 0.0)
+            assert leases.claim(req, reg(f"w{i}", engine="d1"), None, None, now=0.0) is None
+            connection = conns.for_write("d1")
+            if connection is None:
+                leases.fail(req, PushFailReason.PUSH_FAILED)
+                continue
+            epoch, _ = connection
+            if writer_checks_first and not conns.writable("d1", epoch):
+                leases.fail(req, PushFailReason.PUSH_FAILED)
+                continue
+            time.sleep(0)  # (a thread switch between the two steps, either order)
+            assert leases.begin_post(req, None, now=0.0) is None
+            time.sleep(0)
+            if not writer_checks_first and not conns.writable("d1", epoch):
+                leases.unpost(req)
+                leases.fail(req, PushFailReason.PUSH_FAILED)
+                continue
+            events.append(("post", epoch))
+            leases.posted(req, 1)
+            leases.settle([req], set(), 0.0)  # (landed at once)
+        stop.set()
+
+    def main() -> None:
+        while not stop.is_set():
+            if conns.begin_drop("d1") is None:
+                continue
+            if leases.posting_to("d1"):
+                conns.cancel_drop("d1")
+                continue
+            events.append(("drop", conns.targets("d1").epoch))
+            conns.dropped("d1", PeerReset.NOTIFICATION_FAILED, 0.0, kept_transfer_info=False)
+            connected(conns, "d1", {(0, 0): "agent"})
+            seen = attempts[0]  # (reconnected: let the writer try on it before the next drop)
+            while attempts[0] - seen < 2 and not stop.is_set():
+                time.sleep(0)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=main)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    return events
+
+
+def posted_after_their_drop(events: list[tuple[str, int]]) -> list[int]:
+    dropped: set[int] = set()
+    late = []
+    for what, epoch in events:
+        if what == "drop":
+            dropped.add(epoch)
+        elif epoch in dropped:
+            late.append(epoch)
+    return late
+
+
+def test_the_drop_protocol_on_real_threads_never_drops_under_a_write():
+    """No WRITE is ever posted on a connection after its drop went ahead: the writer's
+    POSTING comes before its check, the main thread's dropping before its."""
+    events = drop_race()
+    assert {what for what, _ in events} == {"post", "drop"}, events[:5]
+    assert posted_after_their_drop(events) == []
+
+
+def test_the_race_check_sees_a_writer_that_checks_the_connection_first():
+    """The same race with the writer's two steps the other way round: WRITEs posted on
+    connections already dropped (the check above can fail)."""
+    assert posted_after_their_drop(drop_race(writer_checks_first=True))
 
 
 def test_no_write_is_posted_more_than_a_lease_after_the_decoder_last_asked():
@@ -252,7 +361,9 @@ def test_claims_and_the_reaper_racing_on_real_threads_never_share_a_lease():
 
 
 class LeaseMachine(RuleBasedStateMachine):
-    """Random interleavings of every call; the invariants hold after each."""
+    """Random interleavings of every call of the main thread and the writer, with WRITEs
+    that land (vLLM reports them done), fail or never settle; the invariants hold after
+    each step, and every lease that ends does so in a state the table allows."""
 
     @initialize()
     def setup(self) -> None:
@@ -261,12 +372,14 @@ class LeaseMachine(RuleBasedStateMachine):
         self.ids = [p_id(f"r{i}") for i in range(4)]
         self.held: set[str] = set()  # what "vLLM" still holds
         self.open: set[str] = set()  # requests with open WRITE handles
+        self.landed: set[str] = set()  # WRITEs done, not yet reported by vLLM's poll
         self.released: set[str] = set()
+        self.pushed: set[str] = set()
 
     @rule(i=st.integers(0, 3), dt=st.floats(0.0, 40.0))
     def grant(self, i: int, dt: float) -> None:
         req = self.ids[i]
-        if req in self.held or req in self.released:
+        if req in self.held or req in self.released or req in self.pushed:
             return
         self.leases.grant({req: self.now + dt}, None, self.now)
         self.held.add(req)
@@ -285,12 +398,19 @@ class LeaseMachine(RuleBasedStateMachine):
         if self.leases.claim(req, reg(f"r{i}"), None, None, self.now) is None:
             assert req not in self.released, "a released lease was claimed"
             if self.leases.begin_post(req, None, self.now) is None:
+                self.open.add(req)  # (published before `posted`, as the writer does)
                 self.leases.posted(req, 1)
-                self.open.add(req)
 
     @rule(i=st.integers(0, 3))
-    def write_settles(self, i: int) -> None:
-        self.open.discard(self.ids[i])
+    def write_lands(self, i: int) -> None:
+        req = self.ids[i]
+        if req in self.open:
+            self.open.discard(req)
+            self.landed.add(req)
+
+    @rule(i=st.integers(0, 3))
+    def write_fails(self, i: int) -> None:
+        self.open.discard(self.ids[i])  # (no handle left open, not reported done)
 
     @rule()
     def main_step(self) -> None:
@@ -299,10 +419,19 @@ class LeaseMachine(RuleBasedStateMachine):
             assert item.req_id not in self.open, "released under an open WRITE"
             self.held.discard(item.req_id)
             self.released.add(item.req_id)
-        self.leases.settle([], set(self.open))
+        done, self.landed = self.landed & self.held, set()
+        for settled in self.leases.settle(done, set(self.open), self.now):
+            if settled.pushed:
+                assert settled.req_id in done
         for req in self.leases.overdue(self.now):
             self.open.discard(req)  # (aborted)
             self.leases.aborted(req)
+        if done:  # vLLM frees the blocks of what it reported done sending
+            self.leases.ended(done)
+            self.held -= done
+            self.pushed |= done
+            for req in done:
+                assert self.leases.state_of(req) is LeaseState.PUSHED
 
     @precondition(lambda self: hasattr(self, "leases"))
     @invariant()
@@ -311,9 +440,31 @@ class LeaseMachine(RuleBasedStateMachine):
             assert self.leases.state_of(req) is LeaseState.WRITING
             assert req in self.held
 
+    @precondition(lambda self: hasattr(self, "leases"))
+    @invariant()
+    def an_ended_lease_stays_ended(self) -> None:
+        for req in self.released:
+            assert self.leases.state_of(req) is LeaseState.RELEASED
+        for req in self.pushed:
+            assert self.leases.state_of(req) is LeaseState.PUSHED
+
 
 TestLeaseMachine = LeaseMachine.TestCase
 TestLeaseMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_the_lease_machine_reaches_every_end():
+    """The machine above is not vacuous: a run of its rules pushes one lease and releases
+    another (PUSHED and RELEASED both reachable)."""
+    m = LeaseMachine()
+    m.setup()
+    m.grant(0, 30.0)
+    m.grant(1, 1.0)
+    m.claim_and_post(0)
+    m.write_lands(0)
+    m.tick(2.0)
+    m.main_step()
+    assert m.pushed == {m.ids[0]} and m.released == {m.ids[1]}
 
 
 # ---------------------------------------------------------------- receives
@@ -377,10 +528,10 @@ def test_agent_names_are_one_spelling_whether_vllm_or_nixl_hands_them_over():
     receives.begin_send("d1")
     receives.sent("d1", {}, frozenset({b"agent-1"}), now=1.0)
     assert receives.agent_failed("d1", "agent-1", ReceiveFailure.LEASE_EXPIRED, now=2.0) == "fail"
-    peers = PeerTable(forget_after_s=100.0)
-    peers.connected("p", frozenset({b"agent-1"}), now=1.0)
-    peers.heard_from("agent-1", now=5.0)
-    assert peers.last_contact("p") == 5.0 and peers.engine_of(b"agent-1") == "p"
+    conns = ConnectionTable(forget_after_s=100.0)
+    connected(conns, "p", {(0, 0): b"agent-1"}, now=1.0, notif_only=True)
+    conns.heard_from("agent-1", now=5.0)
+    assert conns.last_contact("p") == 5.0 and conns.engine_of(b"agent-1") == "p"
 
 
 def test_a_push_fail_from_one_prefill_rank_waits_for_the_others_writes():
@@ -409,41 +560,65 @@ def test_the_receive_ledger_is_bounded():
     assert len(receives) == 3
 
 
-# ------------------------------------------------------------------- peers
+# ------------------------------------------------------------- connections
 def test_contact_is_an_answer_not_a_send():
-    peers = PeerTable(forget_after_s=100.0)
-    peers.connected("p", frozenset({"a1"}), now=1.0)
-    assert peers.last_contact("p") == 1.0
-    peers.heard_from("a1", now=5.0)
-    assert peers.last_contact("p") == 5.0
-    assert peers.begin_probe("p", now=9.0, quiet_s=3.0)
-    assert not peers.begin_probe("p", now=9.5, quiet_s=3.0)  # one probe out at a time
-    peers.answered("p", now=10.0)
-    assert peers.last_contact("p") == 10.0
+    conns = ConnectionTable(forget_after_s=100.0)
+    connected(conns, "p", {(0, 0): "a1"}, now=1.0, notif_only=True)
+    assert conns.last_contact("p") == 1.0
+    conns.heard_from("a1", now=5.0)
+    assert conns.last_contact("p") == 5.0
+    assert conns.begin_probe("p", now=9.0, quiet_s=3.0)
+    assert not conns.begin_probe("p", now=9.5, quiet_s=3.0)  # one probe out at a time
+    conns.answered("p", now=10.0)
+    assert conns.last_contact("p") == 10.0
 
 
 def test_a_peer_back_with_a_new_agent_restarted_and_one_silent_past_the_bound_is_forgotten():
-    peers = PeerTable(forget_after_s=100.0)
-    peers.connected("p", frozenset({"a1"}), now=1.0)
-    peers.failed("p", PeerReset.NOTIFICATION_FAILED, "a1")
-    assert peers.need_tending
-    peers.dropped("p", frozenset({"a1"}), PeerReset.NOTIFICATION_FAILED, now=2.0, kept_transfer_info=True)
-    assert peers.drop_reason("p") == PeerReset.NOTIFICATION_FAILED.value
-    assert peers.connected("p", frozenset({"a2"}), now=3.0) == (True, frozenset({"a1"}))
-    peers.dropped("p", frozenset({"a2"}), PeerReset.SILENT, now=4.0, kept_transfer_info=False)
-    assert peers.forget_silent(103.9) == []
-    (gone,) = peers.forget_silent(104.0)
-    assert gone.engine_id == "p" and len(peers) == 0 and not peers.need_tending
+    conns = ConnectionTable(forget_after_s=100.0)
+    connected(conns, "p", {(0, 0): "a1"}, now=1.0, notif_only=True)
+    conns.failed("p", PeerReset.NOTIFICATION_FAILED, "a1")
+    assert conns.need_tending
+    assert conns.begin_drop("p") == {(0, 0): "a1"}
+    conns.dropped("p", PeerReset.NOTIFICATION_FAILED, now=2.0, kept_transfer_info=True)
+    assert conns.drop_reason("p") == PeerReset.NOTIFICATION_FAILED.value
+    outcome = connected(conns, "p", {(0, 0): "a2"}, now=3.0, notif_only=True)
+    assert (outcome.restarted, outcome.old_agents) == (True, frozenset({"a1"}))
+    assert conns.begin_drop("p") is not None
+    conns.dropped("p", PeerReset.SILENT, now=4.0, kept_transfer_info=False)
+    assert conns.forget_silent(103.9) == []
+    (gone,) = conns.forget_silent(104.0)
+    assert gone.engine_id == "p" and len(conns) == 0 and not conns.need_tending
 
 
-def test_the_peer_table_is_bounded_and_evicts_dropped_peers_first():
-    peers = PeerTable(forget_after_s=100.0, limit=3)
+def test_the_connection_table_is_bounded_and_evicts_dropped_peers_first():
+    conns = ConnectionTable(forget_after_s=100.0, limit=3)
     for i in range(3):
-        peers.connected(f"p{i}", frozenset({f"a{i}"}), now=float(i))
-    peers.dropped("p1", frozenset({"a1"}), PeerReset.SILENT, now=5.0, kept_transfer_info=False)
-    peers.connected("p3", frozenset({"a3"}), now=6.0)
-    assert len(peers) == 3 and peers.engine_of("a0") == "p0" and peers.engine_of("a3") == "p3"
-    assert peers.last_contact("p1") == 0.0  # the dropped one went
+        connected(conns, f"p{i}", {(0, 0): f"a{i}"}, now=float(i), notif_only=True)
+    assert conns.begin_drop("p1") is not None
+    conns.dropped("p1", PeerReset.SILENT, now=5.0, kept_transfer_info=False)
+    connected(conns, "p3", {(0, 0): "a3"}, now=6.0, notif_only=True)
+    assert len(conns) == 3 and conns.engine_of("a0") == "p0" and conns.engine_of("a3") == "p3"
+    assert conns.last_contact("p1") == 0.0  # the dropped one went
+
+
+def test_work_parked_on_a_connection_comes_back_with_its_replacement_never_after():
+    """A PUSH_REG that reached no agent waits for the connection it tried to be replaced;
+    parking on one replaced already is refused (the caller sends it again now), so
+    nothing waits for a connection that is gone."""
+    conns = ConnectionTable(forget_after_s=100.0)
+    connected(conns, "p", {(0, 0): "a1"}, notif_only=True)
+    tried = conns.targets("p")
+    assert conns.park("p", tried.epoch, "reg-1")
+    assert conns.begin_drop("p") is not None
+    assert conns.targets("p") == type(tried)(tried.epoch, {}, dropping=True)
+    assert conns.park("p", tried.epoch, "reg-2")  # (being dropped: it waits for the drop)
+    assert conns.dropped("p", PeerReset.NOTIFICATION_FAILED, 2.0, kept_transfer_info=False) == [
+        "reg-1", "reg-2"]
+    assert not conns.park("p", tried.epoch, "reg-3")  # that connection is gone: act now
+    after_drop = conns.targets("p")
+    assert after_drop.agents == {} and not after_drop.dropping  # none: the caller connects
+    assert conns.park("p", after_drop.epoch, "reg-4")
+    assert connected(conns, "p", {(0, 0): "a2"}, notif_only=True).parked == ["reg-4"]
 
 
 @pytest.mark.parametrize("hb, outcome", [

@@ -165,10 +165,10 @@ def test_span_table_drops_and_ends_the_oldest_past_its_bound():
 
 
 @pytest.mark.parametrize("by_keyword", [True, False])
-def test_a_posted_write_is_counted_once_per_request_and_its_handle_passed_on(monkeypatch, by_keyword):
+def test_every_posted_write_handle_is_passed_on_and_kept_for_its_request(monkeypatch, by_keyword):
     """vLLM's arguments reach vLLM unchanged (by keyword, as vLLM passes them, or by
-    position), its handle comes back, and a request's first posted WRITE (not one that
-    posted nothing) counts as a push started."""
+    position), its handle comes back, and the handles of the request being posted are
+    kept before vLLM publishes them (so a posting that raises midway loses none)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
         NixlPushConnectorWorker,
     )
@@ -184,9 +184,9 @@ def test_a_posted_write_is_counted_once_per_request_and_its_handle_passed_on(mon
         return None if read_spec == "nothing" else 100 + len(posted)
 
     monkeypatch.setattr(NixlPushConnectorWorker, "_xfer_blocks", vllms)
-    w = object.__new__(ObservedPushWorker)
-    w._push_lock, w._pushing, w.xfer_stats = threading.Lock(), BoundedIdSet(), ObservedNixlStats()
-    w._posting = threading.local()
+    monkeypatch.setattr(NixlPushConnectorWorker, "_xfer_blocks_for_req", lambda self, req_id, meta: [
+        write(spec, req_id) for spec in meta])
+    w = ObservedPushWorker.without_engine("kv_producer")
 
     def write(read_spec, request_id):
         if by_keyword:
@@ -195,12 +195,12 @@ def test_a_posted_write_is_counted_once_per_request_and_its_handle_passed_on(mon
                                   remote_xfer_side_handle=2)
         return w._xfer_blocks(read_spec, "d", request_id, "r", 1, 2)
 
-    assert write("a", "req") == 101
-    assert write("b", "req") == 102  # its second WRITE
-    assert write("nothing", "other") is None
-    assert posted[0] == ("a", "d", "req", "r", 1, 2)
-    assert w.xfer_stats.data[StatKey.PUSHES_STARTED] == [1]
-    assert "req" in w._pushing and "other" not in w._pushing
+    assert write("a", "other") == 101  # (no request being posted: passed on, not kept)
+    handles = {}
+    w._posted_handles = {"req": handles.setdefault("req", [])}  # (what `_post_writes` sets)
+    assert w._xfer_blocks_for_req(req_id="req", meta=["b", "c", "nothing"]) == [102, 103, None]
+    assert posted[1] == ("b", "d", "req", "r", 1, 2)
+    assert handles["req"] == [102, 103]  # every handle posted for it, kept before vLLM publishes
 
 
 def test_bounded_id_set_forgets_the_oldest_not_an_arbitrary_one():
@@ -431,16 +431,44 @@ def test_push_fail_round_trip_and_what_is_refused():
     assert not wants_push_fail({}) and not wants_push_fail({PUSH_REG_CAPS_KEY: CAP_PUSH_FAIL * 2})
 
 
-def test_notif_inbox_sets_push_fails_aside_and_keeps_the_rest_in_order():
-    """The writer's forwarded notifications: PUSH_FAILs go to their own deque (the main
-    thread checks it each step without a lock); everything else stays FIFO for vLLM."""
-    from connector.glue.receive import NotifInbox
+def test_the_router_hands_each_kind_to_its_owner_and_a_fault_costs_one_notification():
+    """vLLM's writer reads a batch through the router: contact for every agent, heartbeats
+    and PUSH_FAILs to their owners (not forwarded), PUSH_REGs and completions forwarded
+    (completions also to D's receive ledger), then the writer's due work. A handler that
+    raises costs its one notification: the rest of the batch is handled, a completion
+    still reaches vLLM, and a lost PUSH_FAIL's receive is given up."""
+    from connector.glue.notifications import NotificationRouter, Owners
     from connector.glue.wire import encode_push_fail
     from connector.vocabulary import PushFailReason
 
-    inbox = NotifInbox()
     fail = encode_push_fail("cmpl-7-0123abcd", PushFailReason.LEASE_EXPIRED)
-    for item in (b"req-1:1", fail, b"HB:req-2", b"req-3:2"):
-        inbox.put(item)
-    assert list(inbox.push_fails) == [fail]
-    assert [inbox.get_nowait() for _ in range(inbox.qsize())] == [b"req-1:1", b"HB:req-2", b"req-3:2"]
+    batch = {"a1": [b"PUSH_REG:x", b"HB:r1", fail, b"d-1:1"], "a2": [b"HB:bad", b"d-2:1"]}
+    seen: list[tuple[str, object]] = []
+
+    def heartbeat(agent, m):
+        if m == b"HB:bad":
+            raise RuntimeError("defect")
+        seen.append(("hb", m))
+
+    def completion(agent, m):
+        if m == b"d-2:1":
+            raise RuntimeError("defect")
+        seen.append(("done", m))
+
+    def push_fail(agent, m):
+        raise RuntimeError("defect")
+
+    class Agent:
+        def get_new_notifs(self):
+            return {k: list(v) for k, v in batch.items()}
+
+    router = NotificationRouter(Agent(), Owners(
+        contact=lambda agent, now: seen.append(("contact", agent)), heartbeat=heartbeat,
+        push_fail=push_fail, push_fail_lost=lambda m: seen.append(("lost", m)),
+        completion=completion, after_pass=lambda: seen.append(("pass", None))))
+    forwarded = router.get_new_notifs()
+    assert forwarded == {"a1": [b"PUSH_REG:x", b"d-1:1"], "a2": [b"d-2:1"]}
+    assert seen == [("contact", "a1"), ("hb", b"HB:r1"), ("lost", fail), ("done", b"d-1:1"),
+                    ("contact", "a2"), ("pass", None)]
+
+

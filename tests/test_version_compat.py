@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 
 from connector.glue.guard import installed_version, minor_of
-from connector.glue.nixl_probe import count_descriptors
+from connector.telemetry.handshake_calls import count_descriptors
 from connector.telemetry.record import classify_error
 from connector.telemetry.savings import (
     LocalLayout,

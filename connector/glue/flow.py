@@ -3,36 +3,67 @@
 `ObservedPushWorker` (worker.py) is vLLM's push worker plus one mixin per flow, each
 in a module of its own:
 - handshakes.py `HandshakeFlow`: flavor, dedup, upgrade, retries, phases;
-- receive.py `ReceiveFlow` (D): registration, PUSH_REG, PUSH_FAIL received;
-- push.py `PushFlow` (P): PUSH_REG intake until the WRITE is done, PUSH_FAIL sent;
+- receive.py `ReceiveFlow` (D): registration, PUSH_REG out, PUSH_FAIL and completions in;
+- push.py `PushFlow` (P): PUSH_REG intake until the WRITE settled, PUSH_FAIL sent;
 - leases.py `LeaseFlow`: P's KV leases (renewal, expiry) and D's heartbeats;
 - peers.py `PeerFlow`: peers that stop working (dropped, re-handshaken, their requests
   failed instead of left waiting).
-The push state itself (leases, WRITEs, receives, peers) lives in the owner objects of
-connector/state, each behind its own lock; the flows change it only through them.
-Every flow subclasses `Flow`. A flow uses its own methods, vLLM's, and only what
+The push state itself (connections, leases, WRITEs, receives) lives in the owner
+objects of connector/state, each behind its own lock; the flows change it only through
+them. Every flow subclasses `Flow`. A flow uses its own methods, vLLM's, and only what
 `Flow` declares here of the others: the state the worker's `__init__` sets, and the
 methods one flow offers the rest. It never imports a sibling flow module
-(tests/test_seams.py checks both).
+(tests/test_seams.py checks both, for the flows and for worker.py).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
     from connector.glue.retry import RetryPolicy
+    from connector.state.connections import ConnectionTable
     from connector.state.leases import LeaseLedger
-    from connector.state.peers import PeerTable
     from connector.state.receives import ReceiveLedger
     from connector.telemetry.in_flight import InFlight
     from connector.telemetry.receives import ReceiveClock
-    from connector.telemetry.span_table import BoundedIdSet, SpanTable
+    from connector.telemetry.span_table import SpanTable
     from connector.telemetry.stats import ObservedNixlStats
     from connector.telemetry.tracing import SpanEmitter
-    from connector.vocabulary import ReceiveAbandon, Trigger
+    from connector.vocabulary import PushFailOutcome, PushFailReason, ReceiveAbandon, ReceiveFailure, Trigger
+
+
+# Work that could not use a connection, parked in the connection table until it is
+# replaced (connector/state/connections.py); `PeerFlow._release_parked` sends it again.
+@dataclass(frozen=True, slots=True)
+class ParkedRegistration:
+    """D: a PUSH_REG that reached no agent of P (to the writer's registration inbox)."""
+
+    req_id: str
+    reg: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedPush:
+    """P: a claimed push whose decoder's connection was being dropped (to the writer's
+    deferred-push inbox; it connects again)."""
+
+    req_id: str
+    blocks: Any
+    reg: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedPushFail:
+    """P: a PUSH_FAIL that reached no agent of the decoder (owed again)."""
+
+    reg: dict[str, Any]
+    reason: PushFailReason
 
 
 class Flow:
@@ -42,14 +73,8 @@ class Flow:
     xfer_stats: ObservedNixlStats
     _spans: SpanEmitter
     _kv_role: str
-    # Per-thread handshake scope: `trigger`, `parent` (see HandshakeFlow), `deferred`.
-    _trigger_local: threading.local
-    # What an untagged handshake on vLLM's writer thread is for (by role).
-    _writer_trigger: Trigger | None
     _retry_policy: RetryPolicy
     _handshake_timeout_ms: int
-    _notif_only_engines: set[str]
-    _pending_jobs: dict[str, Any]
     _in_flight: InFlight
     # D: registration handed to the worker until the KV landed, failed or expired.
     _receive_clock: ReceiveClock
@@ -58,15 +83,11 @@ class Flow:
     # P: PUSH_REG matched until the WRITE is done; P's own request trace contexts.
     _write_spans: SpanTable
     _request_contexts: SpanTable
-    # The push state's owners (connector/state): P's leases and WRITEs, D's receives,
-    # the remote engines. Every thread goes through their methods.
+    # The push state's owners (connector/state): the remote engines and connections,
+    # P's leases and WRITEs, D's receives. Every thread goes through their methods.
+    _connections: ConnectionTable
     _leases: LeaseLedger
     _receives: ReceiveLedger
-    _peers: PeerTable
-    # P: pushes counted started / failed (once per request; under _push_lock).
-    _push_lock: threading.Lock
-    _pushing: BoundedIdSet
-    _push_failed: BoundedIdSet
 
     # ----------------------------------------------------------- HandshakeFlow offers
     # The pool handshakes (and D's liveness probes) run on; the lock every NIXL and
@@ -74,27 +95,40 @@ class Flow:
     _handshake_pool: Any
     _registration_lock: Any
 
-    def _run_triggered(self, trigger: Trigger, parent: Any, call: Callable[..., Any],
-                       *args: Any) -> Any:
-        """`call(*args)` with the handshakes it starts tagged `trigger`, parented on
-        `parent` (a span, or None)."""
+    def _connect(self, trigger: Trigger, parent: Any, engine_id: str, host: str, port: int,
+                 tp_size: int, tail: dict[str, Any] | None = None) -> Future | None:
+        """A connection to `engine_id` for what `trigger` needs: None when usable now,
+        else the future of the handshake that makes it (its spans under `parent`)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ ReceiveFlow offers
     def _start_receives(self, registrations: dict[str, dict[str, Any]]) -> None:
-        """D: time (and trace) the receives vLLM hands over this step."""
-        raise NotImplementedError
-
-    def _take_push_fail_notifs(self) -> None:
-        """D (main thread): PUSH_FAILs that reached vLLM's queue (no agent known)."""
+        """D (main): the receives vLLM hands over this step, started (and traced)."""
         raise NotImplementedError
 
     def _push_fail_from(self, agent: Any, notif: bytes) -> None:
-        """D: a P agent's PUSH_FAIL (writer, or main for one with no agent known)."""
+        """D (writer, from the router): a P agent's PUSH_FAIL."""
+        raise NotImplementedError
+
+    def _push_fail_lost(self, notif: bytes) -> None:
+        """D (writer, from the router): handling this PUSH_FAIL raised."""
+        raise NotImplementedError
+
+    def _write_landed_from(self, agent: Any, message: bytes) -> None:
+        """D (writer, from the router): a P agent's completion notification."""
         raise NotImplementedError
 
     def _end_receive_spans(self, req_id: str, error_type: str, message: str) -> None:
         """D: end a receive's register and receive spans as failed."""
+        raise NotImplementedError
+
+    def _fail_receive(self, req_id: str, reason: ReceiveFailure) -> None:
+        """D: fail a receive now (vLLM recomputes or fails the request): only when no
+        WRITE into its blocks can come (see connector/state/receives.py)."""
+        raise NotImplementedError
+
+    def _give_up_receive(self, req_id: str, why: ReceiveAbandon) -> None:
+        """D: stop waiting for a receive; it fails once no WRITE can reach it."""
         raise NotImplementedError
 
     # --------------------------------------------------------------- PushFlow offers
@@ -104,20 +138,29 @@ class Flow:
         """P: keep the trace contexts of requests whose blocks ship this step."""
         raise NotImplementedError
 
+    def _writer_due_work(self) -> None:
+        """P (writer, after each read of the notifications): owed PUSH_FAILs sent,
+        unmatched PUSH_REGs answered."""
+        raise NotImplementedError
+
+    def _settle_writes(self, results: KVConnectorTransferResults) -> None:
+        """P (main, after vLLM's step): the WRITEs that settled."""
+        raise NotImplementedError
+
+    def _abort_overdue_writes(self) -> None:
+        """P (main, after vLLM polled the WRITEs): claims past push_write_timeout_s."""
+        raise NotImplementedError
+
+    def _push_failed(self, req_id: str, failure_type: str, message: str) -> None:
+        """P: the push of `req_id` failed (the claim fails; its decoder is told)."""
+        raise NotImplementedError
+
     def _mark_push_failed(self, req_id: str, failure_type: str, message: str) -> None:
-        """P: count the push failed (once) and end its write span."""
+        """P: count the push failed (once) and end its write span (telemetry only)."""
         raise NotImplementedError
 
-    def _send_owed_push_fails(self) -> None:
-        """P (writer): send the PUSH_FAILs the lease ledger owes decoders."""
-        raise NotImplementedError
-
-    def _count_push_fail(self, reason: Any, outcome: Any) -> None:
+    def _count_push_fail(self, reason: PushFailReason, outcome: PushFailOutcome) -> None:
         """P: one PUSH_FAIL sent, or undeliverable."""
-        raise NotImplementedError
-
-    def _answer_unmatched(self, now: float) -> None:
-        """P (writer): PUSH_REGs no request matched in time are answered no_prefill."""
         raise NotImplementedError
 
     # -------------------------------------------------------------- LeaseFlow offers
@@ -133,65 +176,46 @@ class Flow:
         raise NotImplementedError
 
     def _renew_from(self, agent: Any, message: bytes) -> None:
-        """P (writer): a heartbeat notification arrived from a decoder's agent."""
+        """P (writer, from the router): a heartbeat notification from a decoder's agent."""
         raise NotImplementedError
 
     def _lease_events(self, req_id: str, span: Any) -> None:
         """P: put the request's renewals and expiry on its write span before it ends."""
         raise NotImplementedError
 
-    def _leases_ended(self, req_ids: Any) -> None:
-        """P (main thread): these requests were pushed or released this step."""
+    def _leases_ended(self, req_ids: Iterable[str]) -> list[str]:
+        """P (main thread): these requests were pushed or released this step; returns
+        those whose push completed."""
         raise NotImplementedError
 
     def _report_leases(self) -> None:
         """P: refresh the lease gauges (throttled)."""
         raise NotImplementedError
 
-    def _count_heartbeat(self, ok: bool) -> None:
-        """D: one heartbeat notification sent, or failed."""
+    def _record_push_stages(self, settled: Any) -> None:
+        """P (main): a completed push's TTFT stages into the stats (telemetry)."""
         raise NotImplementedError
 
     # --------------------------------------------------------------- PeerFlow offers
-
     def _release_kept_transfer_info(self, engine_id: str) -> None:
         """Pool thread, under the registration lock, before a handshake registers the
         engine with vLLM: drop what was kept of it since its connection was dropped."""
         raise NotImplementedError
 
-    def _notif_sent(self, notif: Any, ok: bool, agent: Any = None) -> None:
-        """Every NIXL notification this worker sent, or failed to send (the probe's hook)."""
+    def _peer_restarted(self, engine_id: str, old_agents: frozenset[str]) -> None:
+        """A handshake found a new agent where a dropped one was: its receives fail."""
         raise NotImplementedError
 
-    def _notifs_received(self, notifs: dict[Any, list[bytes]]) -> dict[Any, list[bytes]]:
-        """Writer, each pass (vLLM's `get_new_notifs`, through the probe): contact,
-        heartbeats and the writer's own due work; returns what vLLM's loop handles."""
+    def _release_parked(self, items: list[Any]) -> None:
+        """Work parked for a new connection goes again (any thread)."""
         raise NotImplementedError
 
-    def _note_peer_agents(self, engine_id: str, agents: dict[Any, str]) -> bool:
-        """A handshake ended with these agents; True when the peer restarted."""
+    def _suspect_write_target(self, request_id: str, why: Any = None) -> None:
+        """P: a WRITE of the request failed (`why`: the error): suspect its connection."""
         raise NotImplementedError
 
-    def _after_reset(self, engine_id: str) -> str:
-        """Why the connection a handshake now replaces was dropped ("" if none)."""
-        raise NotImplementedError
-
-    def _registration_sent(self, req_id: str, reg_data: dict[str, Any], agents: dict[Any, str],
-                           failed: int) -> None:
-        """D (writer): which agents a PUSH_REG reached (`failed` of them did not)."""
-        raise NotImplementedError
-
-    def _fail_receive(self, req_id: str, reason: Any) -> None:
-        """D: fail a receive now (vLLM recomputes or fails the request): only when no
-        WRITE into its blocks can come (see connector/state/receives.py)."""
-        raise NotImplementedError
-
-    def _give_up_receive(self, req_id: str, why: ReceiveAbandon) -> None:
-        """D (main): stop waiting for a receive; it fails once no WRITE can reach it."""
-        raise NotImplementedError
-
-    def _push_broke(self, request_id: str, why: Any = None) -> None:
-        """P: a WRITE of the request failed (`why`: the error, if any)."""
+    def _tend_due(self) -> bool:
+        """Main, each step: whether `_tend_peers` has something to do."""
         raise NotImplementedError
 
     def _tend_peers(self) -> None:

@@ -30,6 +30,7 @@ import inspect
 import logging
 import os
 import re
+import sys
 import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -98,6 +99,9 @@ WORKER_CALLS: tuple[Call, ...] = (
     Call("worker", "_send_registration_to_p", (_ANY, _ANY)),
     Call("worker", "_do_send_reg_notif", (_ANY, _ANY)),
     Call("worker", "_do_start_push_kv", (_ANY, _ANY, _ANY)),
+    Call("worker", "_xfer_blocks_for_req", (), {"req_id": _ANY, "meta": _ANY}),
+    Call("worker", "_as_grouped_block_ids", (_ANY,)),
+    Call("worker", "_logical_to_kernel_block_ids", (_ANY, _ANY)),
     Call("worker", "_push_writer_loop"),
     Call("worker", "_xfer_blocks", None, position=("request_id", 2)),
     Call("worker", "_log_failure", (_ANY, _ANY, _ANY, _ANY, _ANY), {"remote_engine_id": _ANY}),
@@ -113,6 +117,8 @@ WORKER_CALLS: tuple[Call, ...] = (
     Call("stats", "reduce"),
     Call("stats", "aggregate", (_ANY,)),
     Call("stats", "record_failed_handshake"),
+    Call("stats", "record_failed_notification"),
+    Call("stats", "record_failed_transfer"),
     Call("prom", "observe", (_ANY, _ANY)),
     Call("scheduler", "_nixl_handshake_listener", (_ANY, _ANY, _ANY, _ANY, _ANY)),
     Call("scheduler", "set_xfer_handshake_metadata", (_ANY,)),
@@ -417,3 +423,19 @@ def degraded() -> bool:
     except Exception:
         logger.debug("guard assessment failed", exc_info=True)
         return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the pin lines for the installed vLLM (every function pinned for any minor,
+    or the `Class.method` names given): what to paste into pins.py for a new minor."""
+    names = list(argv if argv is not None else sys.argv[1:]) or list(
+        dict.fromkeys(name for minor in sorted(PINNED_SOURCES, reverse=True)
+                      for name in PINNED_SOURCES[minor]))
+    print(f"# vLLM {installed_version()}")
+    for name in names:
+        print(f'        "{name}": "{digest_of(name)}",')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,7 +27,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -50,6 +49,7 @@ from vllm.platforms import current_platform
 from connector.glue.compat import accepted, bind_handshake_tail
 from connector.glue.flow import Flow
 from connector.glue.side_channel import SideChannelClient
+from connector.state.connections import Pending
 from connector.telemetry import errors
 from connector.telemetry.record import (
     ActiveRecord,
@@ -79,9 +79,10 @@ DEFAULT_HANDSHAKE_CONCURRENCY = 16
 
 @dataclass
 class _HandshakeJob:
-    """One logical handshake: the future callers wait on, and what each attempt needs."""
+    """One logical handshake: what every attempt of it needs. Its future (every caller
+    waits on it), flavor and upgrade flag are the connection table's `Pending`."""
 
-    outer: Future
+    pending: Pending
     engine_id: str
     host: str
     port: int
@@ -89,16 +90,9 @@ class _HandshakeJob:
     tail: dict[str, Any]
     direction: Direction
     trigger: Trigger
-    notif_only: bool
-    upgrade: bool
     parent_context: Any
     deadline: float
     attempt: int = 0
-    # A WRITE joined this (early) handshake: a request now depends on it, so it is
-    # retried like a WRITE-triggered one.
-    write_waits: bool = False
-    # Why the connection this handshake replaces was dropped (PeerReset value, or "").
-    after_reset: str = ""
 
 
 # Triggers that decide a handshake's direction and flavor whatever the caller asked:
@@ -124,9 +118,6 @@ class HandshakeFlow(Flow):
         self._handshake_pool = ThreadPoolExecutor(concurrency, thread_name_prefix="nixl-handshake")
         # (Re-entrant: a peer drop holds it across vLLM's cleanup, which takes it too.)
         self._registration_lock = threading.RLock()
-        # Remote engine -> attempts waiting behind the one that runs (under _attempt_lock).
-        self._engine_attempts: dict[str, deque[tuple[_HandshakeJob, HandshakeRecord]]] = {}
-        self._attempt_lock = threading.Lock()
 
     def shutdown(self) -> None:
         pool = getattr(self, "_handshake_pool", None)
@@ -134,33 +125,44 @@ class HandshakeFlow(Flow):
             pool.shutdown(wait=False, cancel_futures=True)
         super().shutdown()
 
-    # ------------------------------------------------------------------ triggers
-    def _push_writer_loop(self) -> None:
-        """vLLM's writer thread, whose untagged handshakes are, by default, for what
-        this role's writer does (P: a WRITE, D: a PUSH_REG; none for kv_both, whose
-        writer does both). vLLM calls `_do_start_push_kv` and
-        `_send_registration_to_p` only from here, so without a span to parent on
-        they need no scope of their own."""
-        if self._writer_trigger is not None:
-            self._trigger_local.trigger = self._writer_trigger
-        super()._push_writer_loop()
+    # --------------------------------------------------------- handshake control
+    def _ensure_handshake(self, engine_id: str, host: str, port: int, tp_size: int,
+                          *args: Any, **kwargs: Any) -> Future | None:
+        """vLLM's entry point, for a caller of vLLM's own (the fork's callers use
+        `_connect`, which says what the handshake is for): a notification-only request
+        is a D->P one, anything else P->D."""
+        tail = bind_handshake_tail(args, kwargs)
+        return self._connect(Trigger.OTHER, None, engine_id, host, port, tp_size, tail)
 
-    def _run_triggered(self, trigger: Trigger, parent: Any, call: Any, *args: Any) -> Any:
-        # The scope lives in the worker's thread-local, not in OTel's current context:
-        # a handshake reads it only when it starts, which is rare, while attaching a
-        # context would cost a dozen calls on every push.
-        local = self._trigger_local
-        previous = getattr(local, "trigger", None), getattr(local, "parent", None)
-        local.trigger, local.parent = trigger, parent
-        try:
-            return call(*args)
-        finally:
-            local.trigger, local.parent = previous
+    def _connect(self, trigger: Trigger, parent: Any, engine_id: str, host: str, port: int,
+                 tp_size: int, tail: dict[str, Any] | None = None) -> Future | None:
+        """A connection to `engine_id` for what `trigger` needs: None when the one there
+        is serves, else the future of the handshake that makes it (joined, or started
+        here on the handshake pool, its spans parented on `parent`)."""
+        flavor = _FLAVOR_BY_TRIGGER.get(trigger)
+        if flavor is None:
+            flavor = self._flavor_for(trigger, bool(tail and tail.get("notif_agents_only", False)))
+        direction, notif_only = flavor
+        decision = self._connections.ensure(engine_id, notif_only=notif_only,
+                                            for_write=trigger is Trigger.PUSH_WRITE)
+        if decision.future is None:
+            return None
+        if decision.pending is None:  # (joined the handshake under way)
+            if parent is not None and self._spans.enabled:
+                self._note_joined_handshake(parent, engine_id, decision.joined_notif_only)
+            return decision.future
+        job = _HandshakeJob(
+            pending=decision.pending, engine_id=engine_id, host=host, port=int(port),
+            tp_size=int(tp_size), tail=dict(tail or {}), direction=direction, trigger=trigger,
+            parent_context=self._parent_context(parent) if self._spans.enabled else None,
+            deadline=time.monotonic() + self._retry_policy.budget_s)
+        self._start_attempt(job)
+        return decision.future
 
-    def _scope_parent(self) -> Any:
-        """The OTel context a handshake starting now is parented on: the scope's
-        parent span, else the thread's current context."""
-        parent = getattr(self._trigger_local, "parent", None)
+    @staticmethod
+    def _parent_context(parent: Any) -> Any:
+        """The OTel context a handshake starting now is parented on: `parent`'s span,
+        else the thread's current context."""
         if parent is None:
             return otel_context.get_current()
         return trace.set_span_in_context(parent)
@@ -174,103 +176,34 @@ class HandshakeFlow(Flow):
             return Direction.D_TO_P, requested_notif_only
         return Direction.P_TO_D, requested_notif_only
 
-    # --------------------------------------------------------- handshake control
-    def _ensure_handshake(self, engine_id: str, host: str, port: int, tp_size: int,
-                          *args: Any, **kwargs: Any) -> Future | None:
-        """Start (or join) the handshake to `engine_id`; None when already usable."""
-        trigger = getattr(self._trigger_local, "trigger", None) or Trigger.OTHER
-        # Every PUSH_REG, WRITE and heartbeat asks: bind the optional arguments only
-        # when the caller's own flavor request matters (an untagged caller) or a
-        # handshake starts.
-        flavor = _FLAVOR_BY_TRIGGER.get(trigger)
-        if flavor is not None:
-            tail = None
-            direction, notif_only = flavor
-        else:
-            tail = bind_handshake_tail(args, kwargs)
-            direction, notif_only = self._flavor_for(
-                trigger, bool(tail and tail.get("notif_agents_only", False)))
-        # (vLLM evicts idle engines here, from whichever thread asks; the fork does it
-        # on the engine's main thread only: peers.py `_evict_stale_engines_here`.)
-        with self._handshake_lock:
-            connected = engine_id in self._remote_agents
-            if connected and (notif_only or engine_id not in self._notif_only_engines):
-                return None
-            pending = self._handshake_futures.get(engine_id)
-            job = self._pending_jobs.get(engine_id)
-            pending_notif_only = job.notif_only if job is not None else True
-            if pending is not None and (notif_only or not pending_notif_only):
-                if trigger is Trigger.PUSH_WRITE and job is not None:
-                    job.write_waits = True
-                self._note_joined_handshake(engine_id, pending_notif_only)
-                self._trigger_local.deferred = True
-                return pending
-            # What remains: no handshake yet, or a WRITE needs descriptors from a peer
-            # reached (or being reached) notification-only. The one-thread executor
-            # runs an upgrade after any queued notification-only handshake.
-            upgrade = connected or pending is not None
-            self._trigger_local.deferred = True
-            if tail is None:
-                tail = bind_handshake_tail(args, kwargs)
-            return self._submit_handshake(engine_id, host, port, tp_size, tail, direction, trigger,
-                                          notif_only=notif_only and not upgrade, upgrade=upgrade)
-
-    def _note_joined_handshake(self, engine_id: str, notif_only: bool) -> None:
+    def _note_joined_handshake(self, parent: Any, engine_id: str, notif_only: bool) -> None:
         """Mark on the caller's span that it waits for a handshake someone else started.
 
-        (vLLM dedups handshakes by engine id: a PUSH_REG often waits on the one a
-        heartbeat started, which lives in its own trace.)
+        (One handshake per engine: a PUSH_REG often waits on the one a heartbeat
+        started, which lives in its own trace.)
         """
-        if not self._spans.enabled:
-            return
         try:
-            span = trace.get_current_span(self._scope_parent())
-            if span.is_recording():
-                span.add_event(SpanEvent.HANDSHAKE_JOINED, {Attr.REMOTE_ENGINE_ID: engine_id,
-                                                          Attr.NOTIF_AGENTS_ONLY: notif_only})
+            if parent.is_recording():
+                parent.add_event(SpanEvent.HANDSHAKE_JOINED, {Attr.REMOTE_ENGINE_ID: engine_id,
+                                                            Attr.NOTIF_AGENTS_ONLY: notif_only})
         except Exception as exc:
             errors.note(TelemetryError.SPAN, exc)
 
-    def _submit_handshake(self, engine_id: str, host: str, port: int, tp_size: int,
-                          tail: dict[str, Any], direction: Direction, trigger: Trigger, *,
-                          notif_only: bool, upgrade: bool) -> Future:
-        """Queue a handshake on the handshake pool (lock held by caller).
-
-        Callers get one future for the whole handshake; behind it, each attempt is its
-        own record (counted once, with one outcome). A transient failure (side channel
-        unreachable or silent) is retried with backoff within the retry budget, so a
-        short stall of the peer's engine does not fail a request that still has time.
-        """
-        outer: Future = Future()
-        outer.set_running_or_notify_cancel()
-        job = _HandshakeJob(outer=outer, engine_id=engine_id, host=host, port=int(port),
-                            tp_size=int(tp_size), tail=tail, direction=direction, trigger=trigger,
-                            notif_only=notif_only, upgrade=upgrade,
-                            parent_context=self._scope_parent() if self._spans.enabled else None,
-                            deadline=time.monotonic() + self._retry_policy.budget_s,
-                            after_reset=self._after_reset(engine_id))
-        self._handshake_futures[engine_id] = outer
-        self._pending_jobs[engine_id] = job
-        self._start_attempt(job)
-        return outer
-
     def _start_attempt(self, job: _HandshakeJob) -> None:
+        """An attempt of `job` (the first, or a retry from its timer thread): it runs
+        now unless another handshake to the same engine runs (then after it)."""
         job.attempt += 1
+        pending = job.pending
         record = HandshakeRecord(
-            direction=job.direction, trigger=job.trigger, notif_only=job.notif_only,
+            direction=job.direction, trigger=job.trigger, notif_only=pending.notif_only,
             remote_engine_id=job.engine_id, host=job.host, port=job.port,
             remote_tp_size=job.tp_size, remote_pp_size=int(job.tail.get("pp_size", 1) or 1),
-            local_tp_rank=self.tp_rank, local_engine_id=self.engine_id, upgrade=job.upgrade,
-            parent_context=job.parent_context, attempt=job.attempt, after_reset=job.after_reset,
+            local_tp_rank=self.tp_rank, local_engine_id=self.engine_id, upgrade=pending.upgrade,
+            parent_context=job.parent_context, attempt=job.attempt, after_reset=pending.after_reset,
         )
         self._in_flight.add(record)
-        with self._attempt_lock:
-            waiting = self._engine_attempts.get(job.engine_id)
-            if waiting is not None:  # this engine's previous handshake still runs
-                waiting.append((job, record))
-                return
-            self._engine_attempts[job.engine_id] = deque()
-        self._submit_attempt(job, record)
+        if self._connections.attempt_begins(job.engine_id, (job, record)):
+            self._submit_attempt(job, record)
 
     def _submit_attempt(self, job: _HandshakeJob, record: HandshakeRecord) -> None:
         try:
@@ -285,14 +218,10 @@ class HandshakeFlow(Flow):
         inner.add_done_callback(partial(self._on_attempt_done, job, record))
 
     def _next_attempt(self, engine_id: str) -> None:
-        """The engine's handshake is over: start the one waiting behind it, if any."""
-        with self._attempt_lock:
-            waiting = self._engine_attempts.get(engine_id)
-            if not waiting:
-                self._engine_attempts.pop(engine_id, None)
-                return
-            job, record = waiting.popleft()
-        self._submit_attempt(job, record)
+        """The engine's handshake attempt is over: start the one waiting behind it."""
+        waiting = self._connections.attempt_over(engine_id)
+        if waiting is not None:
+            self._submit_attempt(*waiting)
 
     def _on_attempt_done(self, job: _HandshakeJob, record: HandshakeRecord, inner: Future) -> None:
         try:
@@ -311,7 +240,7 @@ class HandshakeFlow(Flow):
             # PUSH_REGs cannot pile retries on the executor. Once a WRITE has joined it, a
             # request waits on it, and it is retried like the WRITE's own would be (else
             # the early start would cost that request its retries).
-            delay = (None if job.trigger is Trigger.PUSH_REG_EARLY and not job.write_waits
+            delay = (None if job.trigger is Trigger.PUSH_REG_EARLY and not job.pending.write_waits
                      else self._retry_policy.delay(job.attempt, record.error_type, job.deadline))
             if delay is not None:
                 logger.warning(
@@ -323,7 +252,9 @@ class HandshakeFlow(Flow):
                 record.retried = True
                 self._publish_handshake(record)
                 self._safe_stats(self.xfer_stats.record_retry, job.direction.value)
+                # (A timer thread of its own starts the retry: `nixl-handshake-retry`.)
                 timer = threading.Timer(delay, self._start_attempt, args=(job,))
+                timer.name = "nixl-handshake-retry"
                 timer.daemon = True
                 timer.start()
                 return
@@ -331,36 +262,29 @@ class HandshakeFlow(Flow):
 
     def _finish_job(self, job: _HandshakeJob, record: HandshakeRecord, result: Any,
                     exc: BaseException | None) -> None:
-        """Update the connection state, then release everyone waiting on the handshake."""
+        """The connection table learns the outcome (and the peer's restart, whose
+        receives fail now); the work parked for a new connection goes again; then
+        everyone waiting on the handshake is released."""
         eid = job.engine_id
-        with self._handshake_lock:
-            if self._handshake_futures.get(eid) is job.outer:
-                del self._handshake_futures[eid]
-                self._pending_jobs.pop(eid, None)
-            if exc is not None:
-                self._log_failure(failure_type="handshake_setup_failed", req_id=None,
-                                  error=exc, remote_engine_id=peer_str(eid))
-                self.xfer_stats.record_failed_handshake()
-            else:
-                remote_agents, clock_offset = result
-                self._remote_agents[eid] = remote_agents
-                if job.notif_only:
-                    self._notif_only_engines.add(eid)
-                else:
-                    self._notif_only_engines.discard(eid)
-                self._engine_clock_offset[eid] = clock_offset
-                self._engine_last_active[eid] = time.perf_counter()
-        if exc is None:
-            try:
-                record.peer_restarted = self._note_peer_agents(eid, result[0])
-            except Exception as exc_:
-                errors.note(TelemetryError.STATS, exc_)
-        self._publish_handshake(record)
-        # Outside the lock: vLLM's callbacks on this future call _ensure_handshake.
         if exc is not None:
-            job.outer.set_exception(exc)
+            self._connections.connect_failed(eid, job.pending)
+            self._log_failure(failure_type="handshake_setup_failed", req_id=None,
+                              error=exc, remote_engine_id=peer_str(eid))
+            self.xfer_stats.record_failed_handshake()
         else:
-            job.outer.set_result(result)
+            ranks, clock_offset = result
+            outcome = self._connections.connected(eid, job.pending, ranks, clock_offset,
+                                                  time.perf_counter())
+            if outcome.restarted:
+                record.peer_restarted = True
+                self._peer_restarted(eid, outcome.old_agents)
+            self._release_parked(outcome.parked)
+        self._publish_handshake(record)
+        # Last: the callbacks on this future (vLLM's and ours) use the connection.
+        if exc is not None:
+            job.pending.future.set_exception(exc)
+        else:
+            job.pending.future.set_result(result)
 
     def _publish_handshake(self, record: HandshakeRecord) -> None:
         try:
@@ -533,20 +457,3 @@ class HandshakeFlow(Flow):
     def _build_mamba_remote(self, *args: Any, **kwargs: Any) -> Any:
         self._enter_phase(Phase.DESCRIPTOR_REGISTRATION)
         return super()._build_mamba_remote(*args, **kwargs)
-
-    def _cleanup_remote_engine(self, engine_id: str, *args: Any, **kwargs: Any) -> bool:
-        """vLLM's cleanup of a remote engine, never while a WRITE to it is being posted
-        or in flight (the lease ledger says; False: kept), and never at the same time
-        as a handshake's NIXL calls."""
-        if not self._leases.begin_drop(engine_id):
-            logger.debug("Kept remote engine %s: a WRITE to it is in flight", peer_str(engine_id))
-            return False
-        try:
-            with self._registration_lock:
-                super()._cleanup_remote_engine(engine_id, *args, **kwargs)
-        finally:
-            self._leases.end_drop(engine_id)
-        with self._handshake_lock:
-            self._notif_only_engines.discard(engine_id)
-        return True
-

@@ -17,9 +17,11 @@ Here the lease ledger (connector/state/leases.py) owns every lease:
 - vLLM's reaper (`_reap_expired_send_leases`, main thread) releases exactly the
   leases the ledger says are released: claimed leases never, until their WRITE
   settled. Each expiry is counted with what P knew of the request (its fate);
-- D side: the heartbeats vLLM sends leave out receives this worker gave up, carry
-  when they were sent, and a heartbeat dropped because its engine's handshake was
-  pending is sent once the handshake is done (vLLM drops it).
+- D side: `_send_heartbeats`, in our words (vLLM's swallows a failed send, so a dead
+  peer went unnoticed, and drops a heartbeat whose engine's handshake is pending): the
+  heartbeats leave out receives this worker gave up, carry when they were sent, a send
+  that fails marks the peer suspect, and one kept while its engine's handshake was
+  pending is sent once that handshake is done.
 """
 
 from __future__ import annotations
@@ -28,19 +30,19 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
-from types import SimpleNamespace
 from typing import Any
 
 from connector.glue.flow import Flow
-from connector.glue.wire import parse_heartbeat, sent_at_token
+from connector.glue.wire import HEARTBEAT_PREFIX, parse_heartbeat, sent_at_token
 from connector.telemetry import errors
 from connector.telemetry.tracing import span_ids
 from connector.vocabulary import (
-    HEARTBEAT_SENT_AT_PREFIX,
     METADATA_DIGEST_ATTR,
     Attr,
+    PeerReset,
     SpanEvent,
     TelemetryError,
+    Trigger,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,8 +119,10 @@ class LeaseFlow(Flow):
         if not held:
             return super()._reap_expired_send_leases(done_sending)
         released, keep = self._leases.plan_reap(time.perf_counter(), list(held))
-        if not released:
-            return None  # (vLLM's own pass would go by its stale deadlines)
+        if not released and len(keep) == len(held):
+            return None  # (nothing to release; vLLM's pass would go by stale deadlines)
+        # Released: -inf; kept by the ledger: +inf; a lease the ledger does not know
+        # keeps vLLM's own deadline and rule.
         saved = {req_id: held[req_id] for req_id in keep}
         for req_id in keep:
             held[req_id] = _KEEP
@@ -145,10 +149,11 @@ class LeaseFlow(Flow):
         self.xfer_stats.record_lease_expiry(item.fate.value, item.late)
 
     # ------------------------------------------------------------------ ended
-    def _leases_ended(self, req_ids: Iterable[str]) -> None:
-        """Main thread, from the step's finished_sending: pushed or released."""
-        self._leases.ended(req_ids)
+    def _leases_ended(self, req_ids: Iterable[str]) -> list[str]:
+        """Main thread, from the step's finished_sending: pushed or released. Returns
+        those whose push completed (counted once)."""
         self._leases_report_owed = True
+        return self._leases.ended(req_ids)
 
     def _lease_events(self, req_id: str, span: Any) -> None:
         """Put the request's lease history on its write span (before it ends)."""
@@ -201,31 +206,41 @@ class LeaseFlow(Flow):
 
     # ------------------------------------------------------------ D: heartbeats
     def _send_heartbeats(self, metadata: Any) -> None:
-        """vLLM sends the step's heartbeats here (engine main thread): only for the
-        receives still wanted, with when they were sent; one its engine's pending
-        handshake made vLLM drop is kept and sent once that handshake is done."""
+        """vLLM's step sends its heartbeats here, last (engine main thread). In our words
+        (see the module docstring). One per engine connected (notification-only, as
+        every D->P connection), naming the receives still wanted and when it was sent."""
         due = self._owed_heartbeats_due()
         for engine_id, info in (metadata.heartbeat_by_engine or {}).items():
             due[engine_id] = info
         if not due:
             return
         now = time.perf_counter()
-        out = {}
         for engine_id, info in due.items():
             wanted = self._receives.wanted(set(info.req_ids))
-            if wanted:
-                out[engine_id] = dataclasses.replace(info, req_ids={*wanted, sent_at_token(now)})
-        if not out:
-            return
-        super()._send_heartbeats(SimpleNamespace(heartbeat_by_engine=out))
-        with self._handshake_lock:
-            pending = {e for e in out if e in self._handshake_futures}
-        for engine_id, info in out.items():
-            ids = {r for r in info.req_ids if not r.startswith(HEARTBEAT_SENT_AT_PREFIX)}
-            if engine_id in pending:  # vLLM dropped it: again once connected
-                self._owed_heartbeats[engine_id] = dataclasses.replace(info, req_ids=ids)
-            else:
-                self._receives.asked(ids, now)
+            if not wanted:
+                continue
+            future = self._connect(Trigger.HEARTBEAT, None, engine_id, info.host, info.port,
+                                   info.tp_size, {"dcp_size": getattr(info, "dcp_size", 1),
+                                                  "pp_size": info.pp_size, "notif_agents_only": True})
+            if future is not None:  # connecting: this heartbeat goes once connected
+                self._owed_heartbeats[engine_id] = dataclasses.replace(info, req_ids=wanted)
+                continue
+            targets = self._connections.targets(engine_id)
+            if not targets.agents:
+                continue  # being dropped: the next heartbeat goes to the next connection
+            self._connections.touch(engine_id, now)  # (vLLM's idle clock, as its heartbeat does)
+            message = (HEARTBEAT_PREFIX + ",".join([*wanted, sent_at_token(now)]).encode())
+            sent = 0
+            for agent in targets.agents.values():
+                try:
+                    self.nixl_wrapper.send_notif(agent, notif_msg=message)
+                    sent += 1
+                except Exception:
+                    self._connections.failed_agent(agent, PeerReset.NOTIFICATION_FAILED)
+                    logger.debug("Failed to send a heartbeat to engine %s", engine_id, exc_info=True)
+            if sent:  # (P may have it: the receives' last ask moves to now)
+                self._receives.asked(wanted, now)
+            self._count_heartbeats(sent, len(targets.agents) - sent)
 
     def _owed_heartbeats_due(self) -> dict[str, Any]:
         """Kept heartbeats whose handshake connected; those still pending stay kept.
@@ -236,16 +251,17 @@ class LeaseFlow(Flow):
             return {}
         owed, self._owed_heartbeats = self._owed_heartbeats, {}
         due = {}
-        with self._handshake_lock:
-            for engine_id, info in owed.items():
-                if engine_id in self._handshake_futures:
-                    self._owed_heartbeats[engine_id] = info
-                elif engine_id in self._remote_agents:
-                    due[engine_id] = info
+        for engine_id, info in owed.items():
+            if self._connections.is_pending(engine_id):
+                self._owed_heartbeats[engine_id] = info
+            elif self._connections.is_connected(engine_id):
+                due[engine_id] = info
         return due
 
-    def _count_heartbeat(self, ok: bool) -> None:
+    def _count_heartbeats(self, sent: int, failed: int) -> None:
         try:
-            self.xfer_stats.record_heartbeat(ok)
+            for ok, n in ((True, sent), (False, failed)):
+                for _ in range(n):
+                    self.xfer_stats.record_heartbeat(ok)
         except Exception as exc:
             errors.note(TelemetryError.STATS, exc)

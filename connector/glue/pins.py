@@ -4,17 +4,16 @@
   exact behaviour (often the order of what they do) it relies on, with the sha256
   (first 16 hex digits) of each one's dedented source, as CI tested it. Pin or unpin a
   function with one line per minor, plus its line in `WHY_PINNED`;
-  `python -m connector.glue.pins` prints the lines for the installed vLLM.
+  `python -m connector.glue.guard` prints the lines for the installed vLLM.
 - `WORKER_ATTRIBUTES` / `LATER_ATTRIBUTES`: the attributes of vLLM's worker the fork
   reads or replaces, set by its constructor / assigned later (when KV caches register).
 
 A minor is tested when it has an entry in each table (tests/test_guard.py keeps them
-in step with each other and with pyproject's `cuda` extra).
+in step with each other and with pyproject's `cuda` extra). This module is data: it
+imports nothing of the project (guard.py reads it).
 """
 
 from __future__ import annotations
-
-import sys
 
 Minor = tuple[int, int]
 
@@ -37,6 +36,8 @@ PINNED_SOURCES: dict[Minor, dict[str, str]] = {
         "NixlBaseConnectorWorker._evict_stale_engines": "9a5fd91af6f432b9",
         "NixlPushConnectorWorker._xfer_blocks_for_req": "140845f470c485c2",
         "NixlPushConnectorWorker._get_new_notifs": "e9f04324a95ff6d9",
+        "NixlPushConnectorWorker._send_registration_to_p": "b63238f1eda0bc4a",
+        "NixlPushConnectorWorker._do_send_reg_notif": "cdad4ef7b4bc2771",
     },
     (0, 33): {
         "NixlBaseConnectorWorker._ensure_handshake": "259894cd168148e0",
@@ -55,6 +56,8 @@ PINNED_SOURCES: dict[Minor, dict[str, str]] = {
         "NixlBaseConnectorWorker._evict_stale_engines": "9a5fd91af6f432b9",
         "NixlPushConnectorWorker._xfer_blocks_for_req": "140845f470c485c2",
         "NixlPushConnectorWorker._get_new_notifs": "ad58ad79de2dbc6d",
+        "NixlPushConnectorWorker._send_registration_to_p": "b63238f1eda0bc4a",
+        "NixlPushConnectorWorker._do_send_reg_notif": "cdad4ef7b4bc2771",
     },
     (0, 34): {
         "NixlBaseConnectorWorker._ensure_handshake": "259894cd168148e0",
@@ -73,6 +76,8 @@ PINNED_SOURCES: dict[Minor, dict[str, str]] = {
         "NixlBaseConnectorWorker._evict_stale_engines": "9a5fd91af6f432b9",
         "NixlPushConnectorWorker._xfer_blocks_for_req": "61ad31254ddf3666",
         "NixlPushConnectorWorker._get_new_notifs": "ad58ad79de2dbc6d",
+        "NixlPushConnectorWorker._send_registration_to_p": "b63238f1eda0bc4a",
+        "NixlPushConnectorWorker._do_send_reg_notif": "cdad4ef7b4bc2771",
     },
 }
 
@@ -92,26 +97,33 @@ WHY_PINNED: dict[str, str] = {
         "relied on by worker.py: registrations and finished blocks are queued to the writer, leases "
         "set from the step's metadata, and heartbeats sent last (the only handshakes it starts)",
     "NixlPushConnectorWorker._push_writer_loop":
-        "relied on by handshakes.py, push.py, receive.py: the writer alone calls _send_registration_to_p "
-        "and _do_start_push_kv, routes PUSH_REGs to _handle_push_reg_notif and every other "
-        "notification into _pending_completion_notifs",
+        "relied on by handshakes.py, push.py, receive.py, notifications.py: the writer alone calls "
+        "_send_registration_to_p and _do_start_push_kv, reads NIXL notifications only through "
+        "nixl_wrapper.get_new_notifs() (where the router stands), and hands PUSH_REGs to "
+        "_handle_push_reg_notif and every other notification to _pending_completion_notifs",
     "NixlPushConnectorWorker.get_transfer_results":
         "relied on by worker.py: vLLM's base results first, then the WRITEs done, under "
         "_sending_transfers_lock",
     "NixlBaseConnectorWorker.get_transfer_results":
         "relied on by worker.py, receive.py, peers.py: notifications are read first, then "
-        "_failed_recv_reqs is drained (the fork queues its failed receives before calling it)",
+        "_failed_recv_reqs is drained (the fork queues the receives it fails before calling it)",
     "NixlPushConnectorWorker._pop_matching_registration":
         "re-implemented in push.py (the lease ledger claims the match or refuses it)",
     "NixlBaseConnectorWorker._send_heartbeats":
-        "relied on by leases.py: it reads only metadata.heartbeat_by_engine and skips an engine "
-        "whose handshake is pending (the fork sends that heartbeat once connected)",
+        "re-implemented in leases.py (a failed send marks the peer suspect; a heartbeat kept while "
+        "its engine's handshake is pending; only the receives still wanted, with their send time)",
     "NixlPushConnectorWorker._do_start_push_kv":
-        "relied on by push.py: it posts WRITEs only through _xfer_blocks_for_req once the P->D "
-        "handshake is done, and defers (request, blocks, registration) onto _deferred_push_inbox",
+        "re-implemented in push.py (the handshake asked for with its trigger and span; a WRITE to a "
+        "connection being dropped waits for the next one)",
     "NixlPushConnectorWorker._xfer_blocks_for_req":
-        "relied on by push.py: each WRITE is posted through _xfer_blocks and all handles are "
-        "published in one locked update at the end",
+        "relied on by push.py: each WRITE is posted through _xfer_blocks (with request_id by "
+        "keyword) and all handles are published in one locked update at the end",
+    "NixlPushConnectorWorker._send_registration_to_p":
+        "re-implemented in receive.py (a failed handshake fails the receive only if no PUSH_REG of "
+        "it reached P; the handshake asked for with its trigger and span)",
+    "NixlPushConnectorWorker._do_send_reg_notif":
+        "re-implemented in receive.py (a PUSH_REG that reached no agent is sent again with the next "
+        "connection, never failed; which agents it reached goes to the receive ledger)",
     "NixlBaseConnectorWorker._evict_stale_engines":
         "relied on by peers.py: it releases idle engines only through _cleanup_remote_engine",
     "NixlPushConnectorWorker._get_new_notifs":
@@ -131,6 +143,8 @@ _CONSTRUCTOR_ALL: tuple[str, ...] = (
     "_recving_metadata", "_push_finished_blocks", "_pending_d_registrations",
     "_reqs_to_send", "_reqs_to_process", "_lease_extension", "_sending_transfers",
     "_sending_transfers_lock", "_reg_send_inbox", "_push_writer_wake", "_evict_finished_inbox",
+    "_deferred_push_inbox", "_send_failures", "_push_writer_stop", "world_size",
+    "_physical_blocks_per_logical_kv_block",
 )
 WORKER_ATTRIBUTES: dict[Minor, tuple[str, ...]] = {
     # savings.py: a PP stage's window of a PP=1 peer's regions.
@@ -157,21 +171,3 @@ def for_minor(table: dict[Minor, tuple[str, ...]], minor: Minor | None) -> tuple
     """The table's entry for `minor`; the newest tested minor's for one CI does not run
     (the version check refuses it anyway; the other problems are then named against it)."""
     return table.get(minor) if minor in table else table[max(table)]  # type: ignore[index,return-value]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Print the pin lines for the installed vLLM (every function pinned for any minor,
-    or the `Class.method` names given)."""
-    from connector.glue import guard
-
-    names = list(argv if argv is not None else sys.argv[1:]) or list(
-        dict.fromkeys(name for minor in sorted(PINNED_SOURCES, reverse=True)
-                      for name in PINNED_SOURCES[minor]))
-    print(f"# vLLM {guard.installed_version()}")
-    for name in names:
-        print(f'        "{name}": "{guard.digest_of(name)}",')
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

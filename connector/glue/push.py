@@ -11,10 +11,16 @@ those decisions:
   reused a client's id) or whose prompt digest differs is refused, and one whose lease
   already ended is answered as late; each refusal is a PUSH_FAIL to the decoder;
 - a match claims the lease: vLLM's reaper does not release it until its WRITEs settle;
-- right before the WRITEs are posted the ledger checks the claim still stands, the
-  decoder's connection is not being dropped, and the decoder asked for the KV less
-  than a lease ago; the handles posted are published even if vLLM's posting raises;
-- PUSH_FAILs owed (every rank's WRITE settled first) leave from this thread;
+- `_do_start_push_kv`, in our words: the P->D handshake a WRITE needs is asked for with
+  what it is for and its span (vLLM's asks without either), and a WRITE whose
+  connection is being dropped waits for the next one (the connection table parks it);
+- right before the WRITEs are posted the ledger checks the claim still stands and the
+  decoder asked for the KV less than a lease ago, and the connection table that it is
+  not being dropped (in that order: see docs/architecture.md, "Dropping a
+  connection"); the handles posted are published even if vLLM's posting raises;
+- after vLLM's step the main thread settles the WRITEs (done, failed, or aborted past
+  `push_write_timeout_s`); PUSH_FAILs owed (every rank's WRITE settled first) leave
+  from the writer;
 - the P->D handshake starts when D's PUSH_REG arrives, not only at the WRITE;
 - the write span opens under the trace context the PUSH_REG carried, linked to the
   context P's own request arrived with (our scheduler passes it in the step metadata).
@@ -22,18 +28,21 @@ those decisions:
 
 from __future__ import annotations
 
-import inspect
 import logging
-import threading
 import time
+from functools import partial
 from typing import Any
 
 from opentelemetry.trace import SpanKind
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+    RemoteMeta,
+    ReqMeta,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.glue.flow import Flow
+from connector.glue.flow import Flow, ParkedPush, ParkedPushFail
 from connector.glue.wire import (
     count_blocks,
     encode_push_fail,
@@ -54,18 +63,21 @@ from connector.vocabulary import (
     Attr,
     LeaseState,
     LinkRole,
+    PeerReset,
     PushFailOutcome,
     PushFailReason,
     PushRegRejection,
     StatKey,
     TelemetryError,
     Trigger,
+    WriteAbort,
 )
 
 logger = logging.getLogger(__name__)
 
 _PREFILL_REQUEST_LINK = {Attr.LINK_ROLE: LinkRole.PREFILL_REQUEST.value}
-_XFER_BLOCKS_SIG = inspect.signature(NixlPushConnectorWorker._xfer_blocks)
+# vLLM warns when posting one request's WRITEs took this long (ms): we keep its line.
+SLOW_SUBMISSION_MS = 200.0
 
 
 def _decoder_context(reg: dict[str, Any]) -> Any:
@@ -84,8 +96,7 @@ def write_span_links(own_carrier: dict[str, str] | None) -> list[Any]:
 class PushFlow(Flow):
     """Mixin for `NixlPushConnectorWorker`: the prefill side of a push."""
 
-    def _init_push(self) -> None:
-        extra = self.kv_transfer_config.get_from_extra_config
+    def _init_push(self, extra: Any) -> None:
         # P: start the P->D handshake when D's PUSH_REG arrives (see below).
         self._early_p_to_d = str(extra("early_p_to_d_handshake", True)).lower() not in ("false", "0")
         self._write_deferred_at: dict[str, float] = {}
@@ -93,8 +104,9 @@ class PushFlow(Flow):
         self._pending_since: dict[str, float] = {}
         self._unmatched_after_s = float(extra("unmatched_push_reg_timeout_s",
                                               extra("kv_lease_duration", 30)))
-        # Writer: the push being posted now (its arguments, and the handles it got).
-        self._posting = threading.local()
+        # Writer-owned: request id -> the WRITE handles vLLM's `_xfer_blocks_for_req`
+        # got so far (`_xfer_blocks` is called per rank inside it, on the writer only).
+        self._posted_handles: dict[str, list[int]] = {}
 
     def _keep_request_contexts(self, metadata: NixlConnectorMetadata) -> None:
         contexts = getattr(metadata, METADATA_TRACE_ATTR, None)
@@ -209,14 +221,13 @@ class PushFlow(Flow):
         WRITE path tries again as it always did.
         """
         eid = reg.get("decode_engine_id")
-        if eid in self._remote_agents and eid not in self._notif_only_engines:
+        if self._connections.is_connected(eid, full=True):
             return  # (the usual case: connected already)
         try:
             # Its span sits in the request's trace, under D's register span.
             parent = _decoder_context(reg) if self._spans.enabled else None
-            self._run_triggered(Trigger.PUSH_REG_EARLY, parent, self._ensure_handshake,
-                                reg["decode_engine_id"], reg["decode_host"], reg["decode_port"],
-                                reg["decode_tp_size"])
+            self._connect(Trigger.PUSH_REG_EARLY, parent, eid, reg["decode_host"], reg["decode_port"],
+                          reg["decode_tp_size"])
         except Exception:
             logger.warning("early P->D handshake to %s could not start; the WRITE will start it",
                            peer_str(reg.get("decode_engine_id")), exc_info=True)
@@ -232,6 +243,14 @@ class PushFlow(Flow):
             errors.note(TelemetryError.STATS, exc)
 
     # ---------------------------------------------------- writer's own work
+    def _writer_due_work(self) -> None:
+        """After every read of the notifications (the router's `after_pass`): the
+        PUSH_FAILs owed, and PUSH_REGs no request matched in time."""
+        if self._leases.owes:
+            self._send_owed_push_fails()
+        if self._pending_since:
+            self._answer_unmatched(time.monotonic())
+
     def _answer_unmatched(self, now: float) -> None:
         """PUSH_REGs no request of P matched in time get PUSH_FAIL (no_prefill)."""
         pending = self._pending_d_registrations
@@ -255,8 +274,8 @@ class PushFlow(Flow):
             try:
                 self._tell_decoder(reg, reason)
             except Exception:
-                logger.warning("PUSH_FAIL to %s failed", peer_str(reg.get("decode_engine_id")),
-                               exc_info=True)
+                logger.error("PUSH_FAIL to %s could not be sent", peer_str(reg.get("decode_engine_id")),
+                             exc_info=True)
                 self._count_push_fail(reason, PushFailOutcome.UNDELIVERABLE)
 
     def _tell_decoder(self, reg: dict[str, Any], reason: PushFailReason) -> None:
@@ -269,47 +288,46 @@ class PushFlow(Flow):
                            peer_str(eid), d_id, reason.value)
             self._count_push_fail(reason, PushFailOutcome.UNDELIVERABLE)
             return
-        fut = self._run_triggered(Trigger.PUSH_REG_EARLY, None, self._ensure_handshake, eid,
-                                  reg["decode_host"], reg["decode_port"], reg["decode_tp_size"])
-        if fut is None:
-            if not self._send_push_fail(eid, d_id, reason, encode_push_fail(reg["request_id"], reason)):
-                self._leases.owe_after_reset(eid, reg, reason)  # its agent is dead: after the drop
-            return
+        future = self._connect(Trigger.PUSH_REG_EARLY, None, eid, reg["decode_host"],
+                               reg["decode_port"], reg["decode_tp_size"])
+        if future is None:
+            self._send_push_fail(eid, reg, reason)
+        else:
+            future.add_done_callback(partial(self._decoder_connected, reg, reason))
 
-        def connected(f: Any) -> None:  # (handshake pool thread: hand it back to the writer)
-            if f.exception() is None:
-                self._leases.owe(reg, reason)
-                self._push_writer_wake.set()
-            else:
-                logger.warning("Could not reach decoder %s to fail request %s (%s)", peer_str(eid),
-                               d_id, reason.value)
-                self._count_push_fail(reason, PushFailOutcome.UNDELIVERABLE)
+    def _decoder_connected(self, reg: dict[str, Any], reason: PushFailReason, future: Any) -> None:
+        """Pool thread: the handshake a PUSH_FAIL waited for is over: the writer sends it."""
+        if future.exception() is None:
+            self._leases.owe_again(reg, reason)
+            self._push_writer_wake.set()
+        else:
+            logger.warning("Could not reach decoder %s to fail request %s (%s)",
+                           peer_str(reg.get("decode_engine_id")), peer_str(reg.get("request_id", "")),
+                           reason.value)
+            self._count_push_fail(reason, PushFailOutcome.UNDELIVERABLE)
 
-        fut.add_done_callback(connected)
-
-    def _send_push_fail(self, engine_id: str, d_id: str, reason: PushFailReason,
-                        notif: bytes) -> bool:
-        """False when it reached no agent of a connected decoder (sent again after the
-        dead connection is dropped)."""
-        with self._handshake_lock:
-            agents = list((self._remote_agents.get(engine_id) or {}).values())
+    def _send_push_fail(self, engine_id: str, reg: dict[str, Any], reason: PushFailReason) -> None:
+        """Writer: PUSH_FAIL to every agent of the decoder's connection; one that reached
+        none goes again with the next connection (parked until this one is replaced)."""
+        d_id = peer_str(reg.get("request_id", ""))
+        targets = self._connections.targets(engine_id)
+        notif = encode_push_fail(reg["request_id"], reason)
         sent = 0
-        for agent in agents:
+        for agent in targets.agents.values():
             try:
                 self.nixl_wrapper.send_notif(agent, notif_msg=notif)
                 sent += 1
             except Exception:
+                self._connections.failed_agent(agent, PeerReset.NOTIFICATION_FAILED)
                 logger.warning("PUSH_FAIL for request %s to %s failed", d_id, peer_str(engine_id),
                                exc_info=True)
         if sent:
             logger.warning("Told decoder %s that request %s gets no KV from this prefill (%s)",
                            peer_str(engine_id), d_id, reason.value)
             self._count_push_fail(reason, PushFailOutcome.SENT)
-            return True
-        if not agents:
-            self._count_push_fail(reason, PushFailOutcome.UNDELIVERABLE)
-            return True
-        return False
+            return
+        if not self._connections.park(engine_id, targets.epoch, ParkedPushFail(reg, reason)):
+            self._leases.owe_again(reg, reason)  # (replaced meanwhile: the next pass connects)
 
     def _count_push_fail(self, reason: PushFailReason, outcome: PushFailOutcome) -> None:
         try:
@@ -320,37 +338,122 @@ class PushFlow(Flow):
     # ------------------------------------------------------------ the push
     def _do_start_push_kv(self, request_id: str, local_block_ids: Any,
                           registration_data: dict[str, Any]) -> None:
-        # vLLM calls this with a claimed lease (our match) or again once its P->D
-        # handshake is done; a claim that ended meanwhile (timed out) posts nothing.
-        if self._leases.state_of(request_id) is not LeaseState.CLAIMED:
-            return
-        span, kept = (self._open_write_span(request_id, local_block_ids, registration_data)
-                      if self._spans.enabled else (None, True))
-        local = self._trigger_local
-        local.deferred = False
-        if (span is not None and kept) or self._write_deferred_at:
-            # Before the WRITE is posted: once it is, P's main thread may end the span.
-            self._note_handshake_wait(request_id, span)
-        self._posting.args = (request_id, local_block_ids, registration_data)
+        """Writer: connect to the decoder (full: the WRITE needs its descriptors) and post
+        the request's WRITEs. vLLM calls this with a claimed lease (our match), and again
+        from `_deferred_push_inbox` once the handshake is done. In our words (see the
+        module docstring). Whatever raises costs this request only: it fails, its
+        decoder is told (upstream it escaped into the writer's batch loop and dropped
+        the rest of the batch)."""
         try:
-            # The handshake this WRITE may start is tagged with its trigger and parented
-            # on its span (without a span, P's writer thread tags it already).
-            if span is None and self._writer_trigger is Trigger.PUSH_WRITE:
-                super()._do_start_push_kv(request_id, local_block_ids, registration_data)
-            else:
-                self._run_triggered(Trigger.PUSH_WRITE, span, super()._do_start_push_kv,
-                                    request_id, local_block_ids, registration_data)
+            self._start_push(request_id, local_block_ids, registration_data)
         except Exception as exc:
-            # Upstream this escapes into the writer's batch loop and drops the rest of
-            # the batch. It costs this request only (it fails; its decoder is told).
             self._log_failure(failure_type="transfer_setup_failed", req_id=request_id,
                               msg="push could not start", error=exc)
-        finally:
-            self._posting.args = None
-        if local.deferred:
+
+    def _start_push(self, request_id: str, local_block_ids: Any, reg: dict[str, Any]) -> None:
+        if self._leases.state_of(request_id) is not LeaseState.CLAIMED:
+            return  # (a claim that ended meanwhile, timed out: nothing to post)
+        if not local_block_ids:
+            logger.warning("No local blocks to push for request %s", request_id)
+            self._push_failed(request_id, "transfer_setup_failed", "no local blocks to push")
+            return
+        span, kept = (self._open_write_span(request_id, local_block_ids, reg)
+                      if self._spans.enabled else (None, True))
+        future = self._connect(Trigger.PUSH_WRITE, span, reg["decode_engine_id"], reg["decode_host"],
+                               reg["decode_port"], reg["decode_tp_size"])
+        if future is not None:
             if not kept:  # (so that its retry continues the same dropped trace)
                 self._write_spans.put(request_id, span)
             self._note_deferred(request_id)
+            future.add_done_callback(partial(self._write_connected, request_id, local_block_ids, reg))
+            return
+        if (span is not None and kept) or self._write_deferred_at:
+            # Before the WRITE is posted: once it is, P's main thread may end the span.
+            self._note_handshake_wait(request_id, span)
+        self._post_writes(request_id, local_block_ids, reg)
+
+    def _write_connected(self, request_id: str, blocks: Any, reg: dict[str, Any], future: Any) -> None:
+        """Pool thread: the handshake a WRITE waited for is over: the writer posts it,
+        or the push fails (its decoder is told)."""
+        exc = future.exception()
+        if exc is not None:
+            self._log_failure(failure_type="push_handshake_failed", req_id=request_id, error=exc)
+            return
+        self._deferred_push_inbox.put((request_id, blocks, reg))
+        self._push_writer_wake.set()
+
+    def _post_writes(self, request_id: str, local_block_ids: Any, reg: dict[str, Any]) -> None:
+        """Writer: the lease becomes POSTING, then (checked in that order, against a drop
+        on the main thread) its connection must still stand; vLLM posts one WRITE per
+        rank and publishes their handles; the ledger learns how many were posted."""
+        engine_id = reg["decode_engine_id"]
+        connection = self._connections.for_write(engine_id)
+        if connection is None:  # being dropped (or gone meanwhile): with the next connection
+            self._push_waits_for_connection(request_id, local_block_ids, reg)
+            return
+        epoch, clock_offset = connection
+        now = time.perf_counter()
+        refusal = self._leases.begin_post(request_id, clock_offset, now)
+        if refusal is not None:
+            logger.warning("Not pushing request %s: %s (its decoder is told)", request_id, refusal.detail)
+            self._push_failed(request_id, refusal.reason.value, refusal.detail)
+            return
+        if not self._connections.writable(engine_id, epoch):
+            self._leases.unpost(request_id)
+            self._push_waits_for_connection(request_id, local_block_ids, reg)
+            return
+        self._connections.touch(engine_id, now)  # (vLLM's idle clock: it is in use)
+        grouped_local = self._as_grouped_block_ids(local_block_ids)
+        meta = ReqMeta(
+            local_block_ids=grouped_local,
+            local_physical_block_ids=self._logical_to_kernel_block_ids(
+                grouped_local, self._physical_blocks_per_logical_kv_block),
+            tp_size=self.world_size,
+            remote=RemoteMeta(block_ids=self._as_grouped_block_ids(reg["local_block_ids"]), host="",
+                              port=0, engine_id=engine_id, request_id=reg["request_id"]))
+        handles = self._posted_handles[request_id] = []
+        raised = True
+        try:
+            self._xfer_blocks_for_req(req_id=request_id, meta=meta)
+            raised = False
+        finally:
+            self._posted_handles.pop(request_id, None)
+            if raised and handles:
+                # vLLM publishes a request's handles at the end of its posting call: any
+                # posted before it raised would be invisible to every in-flight check.
+                with self._sending_transfers_lock:
+                    known = set(self._sending_transfers.get(request_id, ()))
+                    self._sending_transfers[request_id].extend(h for h in handles if h not in known)
+                    self._send_failures.add(request_id)
+            started = self._leases.posted(request_id, len(handles))
+            if started:
+                self._count_push(StatKey.PUSHES_STARTED)
+        elapsed_ms = (time.perf_counter() - now) * 1000.0
+        if elapsed_ms > SLOW_SUBMISSION_MS:
+            logger.warning("Posting the WRITEs of request %s took %.1f ms (slow NIXL submission)",
+                           request_id, elapsed_ms)
+
+    def _push_waits_for_connection(self, request_id: str, blocks: Any, reg: dict[str, Any]) -> None:
+        """The decoder's connection is being dropped (or went meanwhile): the WRITE goes
+        with the next one (parked; or now, which connects first)."""
+        engine_id = reg["decode_engine_id"]
+        targets = self._connections.targets(engine_id)
+        if not (targets.dropping and self._connections.park(
+                engine_id, targets.epoch, ParkedPush(request_id, blocks, reg))):
+            self._deferred_push_inbox.put((request_id, blocks, reg))
+            self._push_writer_wake.set()
+
+    def _xfer_blocks(self, *args: Any, **kwargs: Any) -> int | None:
+        handle = super()._xfer_blocks(*args, **kwargs)
+        # Kept here, before vLLM publishes the handle: once published, the main thread
+        # may see the WRITE done at any moment. (vLLM passes `request_id` by keyword; the
+        # guard checks its position for a caller that does not.)
+        if handle is not None:
+            req_id = kwargs["request_id"] if "request_id" in kwargs else args[2] if len(args) > 2 else None
+            handles = self._posted_handles.get(req_id)
+            if handles is not None:
+                handles.append(handle)
+        return handle
 
     def _open_write_span(self, request_id: str, local_block_ids: Any,
                          registration_data: dict[str, Any]) -> tuple[Any, bool]:
@@ -376,45 +479,9 @@ class PushFlow(Flow):
             return span, True
         return span, span is None
 
-    def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
-        """vLLM posts the request's WRITEs here, once its P->D connection is ready: ask
-        the ledger first, and publish whatever was posted even if vLLM's posting raises
-        (its handles would otherwise be invisible to every in-flight check)."""
-        engine_id = meta.remote.engine_id
-        with self._handshake_lock:
-            offset = self._engine_clock_offset.get(engine_id)
-        verdict = self._leases.begin_post(req_id, offset, time.perf_counter())
-        if verdict == "retry":  # its connection is being dropped: after the drop, again
-            args = getattr(self._posting, "args", None)
-            if args is not None:
-                self._deferred_push_inbox.put(args)
-                self._push_writer_wake.set()
-            return
-        if isinstance(verdict, Refusal):
-            logger.warning("Not pushing request %s: %s (its decoder is told)", req_id, verdict.detail)
-            self._mark_push_failed(req_id, verdict.reason.value, verdict.detail)
-            return
-        handles: list[int] = []
-        self._posting.handles = handles
-        raised = True
-        try:
-            super()._xfer_blocks_for_req(req_id, meta)
-            raised = False
-        finally:
-            self._posting.handles = None
-            if raised and handles:
-                with self._sending_transfers_lock:
-                    known = set(self._sending_transfers.get(req_id, ()))
-                    self._sending_transfers[req_id].extend(h for h in handles if h not in known)
-                    self._send_failures.add(req_id)
-            self._leases.posted(req_id, len(handles))
-
     def _note_handshake_wait(self, request_id: str, span: Any) -> None:
-        """How long this WRITE waited for its P->D handshake (writer thread only).
-
-        vLLM defers a WRITE whose handshake is pending and calls `_do_start_push_kv`
-        again when it is done: the time between the two calls is the wait.
-        """
+        """How long this WRITE waited for its P->D handshake (writer thread only): the
+        time between the deferral and the call from `_deferred_push_inbox`."""
         try:
             started = self._write_deferred_at.pop(request_id, None)
             waited = 0.0 if started is None else time.monotonic() - started
@@ -431,36 +498,75 @@ class PushFlow(Flow):
         except Exception as exc:
             errors.note(TelemetryError.SPAN, exc)
 
-    def _xfer_blocks(self, *args: Any, **kwargs: Any) -> int | None:
-        handle = super()._xfer_blocks(*args, **kwargs)
-        # Kept here, before vLLM publishes the handle: once published, the main thread
-        # may see the WRITE done at any moment. Never raises (the handle must reach
-        # the caller, or the request waits for its lease).
-        if handle is not None:
-            posted = getattr(self._posting, "handles", None)
-            if posted is not None:
-                posted.append(handle)
+    # ------------------------------------------------- settled (main thread)
+    def _settle_writes(self, results: KVConnectorTransferResults) -> None:
+        """After vLLM's step: the WRITEs done, and those settled without success. Read
+        and judged in one critical section with the writer's publish: the writer
+        publishes a WRITE's handles under vLLM's `_sending_transfers_lock` and only then
+        marks its lease posted, so a lease `settle` finds WRITING has its open handles in
+        this read. (Read first and judged after, a WRITE published and marked posted in
+        between looked settled without success: a landed push failed.)"""
+        with self._sending_transfers_lock:
+            open_writes = {r for r, handles in self._sending_transfers.items() if handles}
+            settled_now = self._leases.settle(results.finished_sending, open_writes,
+                                              time.perf_counter())
+        for settled in settled_now:
+            if settled.pushed:
+                try:
+                    self._record_push_stages(settled)
+                except Exception as exc:
+                    errors.note(TelemetryError.STATS, exc)
+            else:
+                self._mark_push_failed(settled.req_id, "push_failed",
+                                       (settled.failure or PushFailReason.PUSH_FAILED).value)
+
+    def _abort_overdue_writes(self) -> None:
+        """Claims past push_write_timeout_s: an unposted one fails in the ledger; posted
+        WRITEs are aborted here (NIXL releases their handles: no byte moves after)."""
+        for req_id in self._leases.overdue(time.perf_counter()):
+            with self._sending_transfers_lock:
+                handles = list(self._sending_transfers.get(req_id, ()))
+                kept = []
+                for handle in handles:
+                    try:
+                        self.nixl_wrapper.release_xfer_handle(handle)
+                    except Exception:
+                        kept.append(handle)
+                if kept:
+                    self._sending_transfers[req_id] = kept
+                else:
+                    self._sending_transfers.pop(req_id, None)
+            outcome = WriteAbort.ABORT_FAILED if kept else WriteAbort.ABORTED
+            logger.warning("WRITE of request %s did not settle within push_write_timeout_s: %s",
+                           req_id, "NIXL kept it; trying again next step" if kept else "aborted")
+            if not kept:
+                self._leases.aborted(req_id)
+                self._mark_push_failed(req_id, "write_timeout",
+                                       "the WRITE did not settle within push_write_timeout_s")
             try:
-                req_id = kwargs.get("request_id")
-                if req_id is None:
-                    req_id = _XFER_BLOCKS_SIG.bind(self, *args, **kwargs).arguments["request_id"]
+                self.xfer_stats.record_write_abort(outcome.value)
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
-            else:
-                self._count_push_once(self._pushing, req_id, StatKey.PUSHES_STARTED)
-        return handle
 
-    def _count_push_once(self, seen: Any, req_id: str, key: str) -> None:
-        """Count a push event the first time `req_id` enters `seen` (a request's several
-        WRITEs are one push); never raises into the push flow."""
+    # ------------------------------------------------------------ failures
+    def _push_failed(self, req_id: str, failure_type: str, message: str) -> None:
+        """P: the push of `req_id` failed before any WRITE of it settled: the claim
+        fails in the ledger (posted WRITEs fail once all settle; the decoder is told
+        once no handle is open), and the failure is counted."""
+        self._leases.fail(req_id, PushFailReason.PUSH_FAILED)
+        self._mark_push_failed(req_id, failure_type, message)
+
+    def _mark_push_failed(self, req_id: str, failure_type: str, message: str) -> None:
+        """Count the push failed (once) and end its write span (telemetry only)."""
         try:
-            with self._push_lock:
-                first = seen.add(req_id)
-            if first:
-                self.xfer_stats.record_push(key)
+            if self._leases.push_failed(req_id):
+                self.xfer_stats.record_push(StatKey.PUSHES_FAILED)
+            SpanEmitter.end(self._write_spans.pop(req_id), error_type=failure_type, message=message)
         except Exception as exc:
             errors.note(TelemetryError.STATS, exc)
 
-    def _mark_push_failed(self, req_id: str, failure_type: str, message: str) -> None:
-        self._count_push_once(self._push_failed, req_id, StatKey.PUSHES_FAILED)
-        SpanEmitter.end(self._write_spans.pop(req_id), error_type=failure_type, message=message)
+    def _count_push(self, key: str) -> None:
+        try:
+            self.xfer_stats.record_push(key)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)

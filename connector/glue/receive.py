@@ -1,31 +1,39 @@
 """D side: a receive from the registration vLLM hands the worker until the KV landed.
 
-Wrappers at the boundary of vLLM's push worker: they time the whole receive, open the
-request's receive span (a child of the request's own trace context, which our
-scheduler puts into the registration) and register span, carry the W3C trace context
-and our capabilities in the PUSH_REG payload, tag the handshakes a registration
-starts, count PUSH_REG notifications, and act on PUSH_FAIL: a notification from P that
-the KV will never come, which fails that receive at once (vLLM then recomputes or
-fails the request, per `kv_load_failure_policy`) instead of after
-`push_registration_timeout`.
+- The PUSH_REG leaves from vLLM's writer thread through `_send_registration_to_p` and
+  `_do_send_reg_notif`, both in our words: vLLM fails a receive at once when it knows
+  no agent of P at the moment it sends (the case right after the dead connection to a
+  restarted P was dropped), and does not say which agents a PUSH_REG reached. Here the
+  receive ledger decides (connector/state/receives.py): a PUSH_REG that reached no
+  agent is UNDELIVERED and goes again once the connection is replaced (the connection
+  table parks it), whatever `kv_load_failure_policy` says; a handshake that fails for
+  good fails the receive only if no PUSH_REG of it ever reached P, else it is given up
+  and fails at its safe point.
+- PUSH_FAIL (a fork P: "the KV of your request will never come") and each P rank's
+  completion notification reach the receive ledger from the notification router
+  (writer thread). A receive fails at once only when no WRITE into its blocks can still
+  come; vLLM then recomputes or fails it, per `kv_load_failure_policy`.
+- Telemetry: the receive span (a child of the request's own trace context, which our
+  scheduler puts into the registration) and the register span, the W3C context and our
+  capabilities in the PUSH_REG payload, PUSH_REG notifications counted.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import time
-from collections import deque
+from functools import partial
 from typing import Any
 
+import msgspec
 from opentelemetry.trace import SpanKind
 
-from connector.glue.flow import Flow
-from connector.glue.wire import OUR_CAPS, count_blocks, decode_push_fail
+from connector.glue.flow import Flow, ParkedRegistration
+from connector.glue.wire import OUR_CAPS, PUSH_REG_PREFIX, count_blocks, decode_push_fail
+from connector.state import agent_name
 from connector.telemetry import errors
 from connector.telemetry.tracing import SpanEmitter, extract_span, inject_context, peer_str
 from connector.vocabulary import (
-    PUSH_FAIL_NOTIF_PREFIX,
     PUSH_REG_CAPS_KEY,
     PUSH_REG_SENT_AT_KEY,
     PUSH_REG_TRACE_KEY,
@@ -35,6 +43,7 @@ from connector.vocabulary import (
     SPAN_PUSH_REGISTER,
     Attr,
     LeaseFate,
+    PeerReset,
     PushFailReason,
     ReceiveAbandon,
     ReceiveFailure,
@@ -54,85 +63,18 @@ def _register_attributes(req_id: str, reg_data: dict[str, Any]) -> dict[str, Any
             Attr.SERVER_PORT: port if type(port) is int else 0}
 
 
-class NotifInbox(queue.Queue):
-    """vLLM's writer -> main thread notification queue, with PUSH_FAILs set aside.
-
-    The writer thread forwards every NIXL notification that is not a PUSH_REG into
-    this queue; a PUSH_FAIL goes to `push_fails` instead (a deque: appends and pops
-    are atomic), so the main thread checks one deque per step and never takes other
-    notifications out and puts them back.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.push_fails: deque[bytes] = deque()
-
-    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        if isinstance(item, bytes) and item.startswith(PUSH_FAIL_NOTIF_PREFIX):
-            self.push_fails.append(item)
-            return
-        super().put(item, block, timeout)
-
-
-class FailedReceives(queue.Queue):
-    """vLLM's queue of receives to fail (drained on the main thread), with a gate on
-    vLLM's own puts: vLLM fails a receive at once when a handshake for its PUSH_REG
-    fails or P has no agent left, which is right for a first PUSH_REG that never left,
-    and wrong for one sent again after the first reached P (P may still WRITE into the
-    blocks). `gate(req_id)` says whether vLLM's put may stand (the caller gives the
-    receive up instead when not); the fork's own decided failures use `decided`."""
-
-    def __init__(self, gate: Any) -> None:
-        super().__init__()
-        self._gate = gate
-
-    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        try:
-            allowed = self._gate(item)
-        except Exception as exc:  # (a fault here must not lose the failure)
-            errors.note(TelemetryError.STATS, exc)
-            allowed = True
-        if allowed:
-            super().put(item, block, timeout)
-
-    def decided(self, item: Any) -> None:
-        super().put(item)
-
-
 class ReceiveFlow(Flow):
     """Mixin for `NixlPushConnectorWorker`: the decode side of a push."""
 
-    def _init_receive(self) -> None:
-        """Called at the end of the worker's `__init__`, before vLLM starts the writer
-        thread (`register_kv_caches`), so nothing queued is lost by the swap."""
-        inbox = NotifInbox()
-        old = self._pending_completion_notifs
-        while not old.empty():  # (defensive: carry over anything already queued)
-            inbox.put(old.get_nowait())
-        self._pending_completion_notifs = inbox
-        failed = FailedReceives(self._vllm_may_fail)
-        old_failed = self._failed_recv_reqs
-        while not old_failed.empty():
-            failed.decided(old_failed.get_nowait())
-        self._failed_recv_reqs = failed
-
-    def _vllm_may_fail(self, req_id: str) -> bool:
-        """vLLM fails this receive now: fine unless its PUSH_REG reached P before (a
-        resend's handshake failed); then it is given up, to fail at its safe point."""
-        if not self._receives.reached_prefill(req_id):
-            return True
-        self._give_up_receive(req_id, ReceiveAbandon.PEER_UNREACHABLE)
-        return False
-
     def _start_receives(self, registrations: dict[str, dict[str, Any]]) -> None:
         self._receives.start(registrations, time.perf_counter())
-        self._receive_clock.start_all(registrations)
-        self._receive_clock.note_arrivals(registrations)
-        if self._spans.enabled:
-            try:
+        try:
+            self._receive_clock.start_all(registrations)
+            self._receive_clock.note_arrivals(registrations)
+            if self._spans.enabled:
                 self._open_receive_spans(registrations)
-            except Exception as exc:
-                errors.note(TelemetryError.SPAN, exc)
+        except Exception as exc:
+            errors.note(TelemetryError.SPAN, exc)
 
     def _open_receive_spans(self, registrations: dict[str, dict[str, Any]]) -> None:
         engine_id = self.engine_id
@@ -153,12 +95,15 @@ class ReceiveFlow(Flow):
 
     # ------------------------------------------------------------- PUSH_REG out
     def _send_registration_to_p(self, req_id: str, reg_data: dict[str, Any]) -> None:
+        """vLLM's writer (its only caller): connect to P notification-only (the
+        handshake runs on the pool; the PUSH_REG goes again once it is done), then send.
+        In our words: see the module docstring for what vLLM's does differently."""
         send = self._receives.begin_send(req_id)
         if not send:
             return  # given up or failed here meanwhile: nothing to send
         # Tell P we understand PUSH_FAIL; a stock P ignores the key. The copy is ours
-        # from here on (vLLM re-queues this very dict after a handshake, the key
-        # already in it), so the register span's context goes into it in place.
+        # from here on (it is queued again as it is), so the register span's context
+        # goes into it in place.
         if PUSH_REG_CAPS_KEY not in reg_data:
             reg_data = {**reg_data, PUSH_REG_CAPS_KEY: OUR_CAPS}
             reg_data.pop(REGISTRATION_ARRIVAL_KEY, None)  # (D's own: P has no use for it)
@@ -168,13 +113,34 @@ class ReceiveFlow(Flow):
                 span = self._open_register_span(req_id, reg_data)
             except Exception as exc:
                 errors.note(TelemetryError.SPAN, exc)
-        # A handshake this starts is tagged PUSH_REG and parented on the register span
-        # (without a span, D's writer thread tags it already).
-        if span is None and self._writer_trigger is Trigger.PUSH_REG:
-            super()._send_registration_to_p(req_id, reg_data)
+        future = self._connect(
+            Trigger.PUSH_REG, span, reg_data["remote_engine_id"], reg_data["remote_host"],
+            reg_data["remote_port"], reg_data["remote_tp_size"],
+            {"pp_size": reg_data.get("remote_pp_size", 1), "notif_agents_only": True})
+        if future is None:
+            self._do_send_reg_notif(req_id, reg_data)
         else:
-            self._run_triggered(Trigger.PUSH_REG, span, super()._send_registration_to_p,
-                                req_id, reg_data)
+            future.add_done_callback(partial(self._registration_connected, req_id, reg_data))
+
+    def _registration_connected(self, req_id: str, reg_data: dict[str, Any], future: Any) -> None:
+        """The handshake a PUSH_REG waited for is over (pool thread): send it (on the
+        writer), or decide the receive (see `ReceiveLedger.handshake_failed`)."""
+        exc = future.exception()
+        if exc is None:
+            self._reg_send_inbox.put((req_id, reg_data))
+            self._push_writer_wake.set()
+            return
+        action = self._receives.handshake_failed(req_id, time.perf_counter())
+        if action == "fail":
+            self._failed_recv_reqs.put(req_id)
+        self._log_failure(failure_type="push_reg_handshake_failed", req_id=req_id, error=exc)
+        try:
+            if action == "fail":
+                self._end_receive_spans(req_id, "push_reg_handshake_failed", str(exc))
+            elif action == "held":
+                self.xfer_stats.record_receive_abandoned(ReceiveAbandon.PEER_UNREACHABLE.value)
+        except Exception as exc_:
+            errors.note(TelemetryError.STATS, exc_)
 
     def _open_register_span(self, req_id: str, reg_data: dict[str, Any]) -> Any:
         """The register span (reused when re-queued after a handshake); its trace context
@@ -196,47 +162,80 @@ class ReceiveFlow(Flow):
         return span
 
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
-        # (No lock: one dict lookup and a len() are atomic under the GIL. `dict.get`:
-        # the table hides an engine only from the handshake thread's own lookups.)
-        agents = dict(dict.get(self._remote_agents, reg_data.get("remote_engine_id")) or {})
-        num_agents = len(agents)
-        self._trigger_local.reg_failures = 0
-        self._trigger_local.reg_failed_agents = set()
-        # When this decoder last asked for the KV (its clock): a fork P posts no WRITE
-        # more than a lease after it (connector/state/receives.py). Our copy of the dict.
-        reg_data[PUSH_REG_SENT_AT_KEY] = time.perf_counter()
-        super()._do_send_reg_notif(req_id, reg_data)
-        failed = self._trigger_local.reg_failures if num_agents else 1
+        """Writer: the PUSH_REG to every agent of P's connection, and what became of it
+        in the receive ledger. In our words (see the module docstring)."""
+        engine_id = reg_data["remote_engine_id"]
+        targets = self._connections.targets(engine_id)
+        reached: set[str] = set()
+        failed = 0
+        if targets.agents:
+            # When this decoder last asked for the KV (its clock): a fork P posts no WRITE
+            # more than a lease after it (connector/state/receives.py). Our copy of the dict.
+            reg_data[PUSH_REG_SENT_AT_KEY] = time.perf_counter()
+            message = PUSH_REG_PREFIX + msgspec.msgpack.encode(reg_data)
+            for rank, agent in targets.agents.items():
+                try:
+                    self.nixl_wrapper.send_notif(agent, notif_msg=message)
+                except Exception as exc:
+                    failed += 1
+                    self._connections.failed_agent(agent, PeerReset.NOTIFICATION_FAILED)
+                    self._log_failure(failure_type="push_reg_notif_failed", req_id=req_id, error=exc,
+                                      remote_rank=rank)
+                    self.xfer_stats.record_failed_notification()  # (as vLLM counts it)
+                else:
+                    reached.add(agent_name(agent))
+        fail_now = self._receives.sent(req_id, reg_data, frozenset(reached), time.perf_counter())
+        if fail_now:  # given up meanwhile, and P never got it: nothing can land
+            self._failed_recv_reqs.put(req_id)
+        elif not reached:
+            self._registration_undelivered(req_id, reg_data, engine_id, targets)
         try:
-            self._registration_sent(req_id, reg_data, agents, failed)
-            # (A failure to reach an agent is counted where vLLM logs it, `_log_failure`.)
-            if not num_agents:
-                self.xfer_stats.record_push_reg_notif(sent=False)
-            elif num_agents > failed:
-                self.xfer_stats.record_push_reg_notif(sent=True, count=num_agents - failed)
-            if not self._spans.enabled:
-                return
-            span = self._register_spans.pop(req_id)
-            if failed >= max(num_agents, 1):
-                SpanEmitter.end(span, error_type="push_reg_notif_failed",
-                                message=f"PUSH_REG reached none of {num_agents} agents")
-            else:
-                SpanEmitter.end(span)
+            self._count_registration(req_id, len(targets.agents), failed)
         except Exception as exc:
             errors.note(TelemetryError.STATS, exc)
 
-    # -------------------------------------------------------------- PUSH_FAIL in
-    def _take_push_fail_notifs(self) -> None:
-        """Main: PUSH_FAILs that reached vLLM's queue instead of the writer's pass (it
-        failed): which agent sent them is not known, so each is taken as one P rank's."""
-        pending = self._pending_completion_notifs.push_fails
-        while pending:
-            self._push_fail_from(None, pending.popleft())
+    def _registration_undelivered(self, req_id: str, reg_data: dict[str, Any], engine_id: str,
+                                  targets: Any) -> None:
+        """A PUSH_REG that reached no agent goes again with the next connection: parked
+        until the one it tried is dropped (it is dead or being dropped), or now when
+        there was none (it handshakes) or it was replaced meanwhile."""
+        logger.warning("PUSH_REG of request %s reached no agent of %s (%s); it is sent again "
+                       "with the next connection", req_id, peer_str(engine_id),
+                       "connection being dropped" if targets.dropping
+                       else "no connection" if not targets.agents else "every send failed")
+        parked = bool(targets.agents or targets.dropping) and self._connections.park(
+            engine_id, targets.epoch, ParkedRegistration(req_id, reg_data))
+        if not parked:
+            self._reg_send_inbox.put((req_id, reg_data))
+            self._push_writer_wake.set()
+
+    def _count_registration(self, req_id: str, num_agents: int, failed: int) -> None:
+        # (A failure to reach an agent is counted where it is logged, `_log_failure`.)
+        if not num_agents:
+            self.xfer_stats.record_push_reg_notif(sent=False)
+        elif num_agents > failed:
+            self.xfer_stats.record_push_reg_notif(sent=True, count=num_agents - failed)
+        if not self._spans.enabled:
+            return
+        span = self._register_spans.pop(req_id)
+        if failed >= max(num_agents, 1):
+            SpanEmitter.end(span, error_type="push_reg_notif_failed",
+                            message=f"PUSH_REG reached none of {num_agents} agents")
+        else:
+            SpanEmitter.end(span)
+
+    # --------------------------------------------------- from the router (writer)
+    def _write_landed_from(self, agent: Any, message: bytes) -> None:
+        """A P agent's completion notification ("<D request id>:<P TP>"): that rank
+        writes no more into the request's blocks."""
+        req_id = message.rpartition(b":")[0].decode("utf-8", "replace")
+        if req_id and self._receives.agent_done(req_id, agent):
+            self._failed_recv_reqs.put(req_id)
 
     def _push_fail_from(self, agent: Any, notif: bytes) -> None:
-        """A P agent (rank) says this request's KV will never come from it (writer, or
-        main for one without its agent). The receive fails once every rank its PUSH_REG
-        reached has settled; until then another rank may still WRITE into its blocks."""
+        """A P agent (rank) says this request's KV will never come from it. The receive
+        fails once every rank its PUSH_REG reached has settled; until then another rank
+        may still WRITE into its blocks."""
         parsed = decode_push_fail(notif)
         if parsed is None:
             logger.warning("Dropped a malformed PUSH_FAIL notification (%d bytes)", len(notif))
@@ -247,6 +246,15 @@ class ReceiveFlow(Flow):
         if action == "ignore":
             logger.debug("PUSH_FAIL for request %s, which is not waiting here", peer_str(req_id))
             return
+        if action == "fail":
+            self._failed_recv_reqs.put(req_id)
+            logger.warning("Request %s: its prefill reports the KV will never be pushed (%s); "
+                           "failing the KV load now instead of waiting for push_registration_timeout",
+                           peer_str(req_id), reason.value)
+        else:
+            logger.warning("Request %s: a prefill rank reports its KV will never be pushed (%s); "
+                           "it fails once every rank's WRITE into its blocks has settled",
+                           peer_str(req_id), reason.value)
         if reason is PushFailReason.LEASE_EXPIRED and self._spans.enabled:
             try:
                 span = self._receive_spans.get(req_id)
@@ -254,12 +262,25 @@ class ReceiveFlow(Flow):
                     span.add_event(SpanEvent.LEASE_EXPIRED, {Attr.LEASE_FATE: LeaseFate.REGISTERED.value})
             except Exception as exc:
                 errors.note(TelemetryError.SPAN, exc)
-        if action == "fail":
-            logger.warning("Request %s: its prefill reports the KV will never be pushed (%s); "
-                           "failing the KV load now instead of waiting for push_registration_timeout",
-                           peer_str(req_id), reason.value)
-            self._failed_recv_reqs.decided(req_id)
-        else:
-            logger.warning("Request %s: a prefill rank reports its KV will never be pushed (%s); "
-                           "it fails once every rank's WRITE into its blocks has settled",
-                           peer_str(req_id), reason.value)
+
+    def _push_fail_lost(self, notif: bytes) -> None:
+        """Handling a PUSH_FAIL raised: its receive is given up (it fails at its safe
+        point: a rank of P may still WRITE)."""
+        parsed = decode_push_fail(notif)
+        if parsed is not None:
+            self._give_up_receive(parsed[0], ReceiveAbandon.INTERNAL_ERROR)
+
+    # ------------------------------------------------------- decided failures
+    def _fail_receive(self, req_id: str, reason: ReceiveFailure) -> None:
+        if self._receives.fail(req_id, reason):
+            self._failed_recv_reqs.put(req_id)
+
+    def _give_up_receive(self, req_id: str, why: ReceiveAbandon) -> None:
+        outcome = self._receives.give_up(req_id, why, time.perf_counter())
+        if outcome == "fail":
+            self._failed_recv_reqs.put(req_id)  # its PUSH_REG never left: nothing can land
+        if outcome:
+            try:
+                self.xfer_stats.record_receive_abandoned(why.value)
+            except Exception as exc:
+                errors.note(TelemetryError.STATS, exc)

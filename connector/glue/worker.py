@@ -1,12 +1,15 @@
 """The fork's push worker: vLLM's `NixlPushConnectorWorker`, observed and fixed.
 
 The class is vLLM's worker plus one mixin per flow (see connector/glue/flow.py, the
-interface between them). This module holds the state they share, the per-step entry
-points vLLM calls on the engine's main thread (`start_load_kv`,
-`get_transfer_results`, `get_kv_connector_stats`: one call each per step, handing
-work to the flows only when there is some), and the outcomes both sides see: vLLM's
-failure log and the transfer results.
-Telemetry never raises into the push flow and never blocks the writer thread.
+interface between them). This module holds the push state's owners and the telemetry
+the flows share, the per-step entry points vLLM calls on the engine's main thread
+(`start_load_kv`, `get_transfer_results`, `get_kv_connector_stats`: one call each per
+step, handing work to the flows only when there is some), the notification router on
+vLLM's writer thread, and vLLM's failure log.
+In every method the data path comes first and in the open; telemetry follows, each
+piece catching and counting its own faults (it never raises into the push flow and
+never blocks the writer). A data-path step that raises never hides as a lost metric:
+it fails its request through the failure path (`_log_failure`), logged at ERROR.
 """
 
 from __future__ import annotations
@@ -34,33 +37,32 @@ from connector.glue.guard import check_worker
 from connector.glue.handshakes import HandshakeFlow
 from connector.glue.host_settings import HostSettings
 from connector.glue.leases import LeaseFlow
-from connector.glue.nixl_probe import NixlAgentProbe
 from connector.glue.nixl_progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
+from connector.glue.notifications import NotificationRouter, Owners
 from connector.glue.peers import PeerFlow
 from connector.glue.push import PushFlow
 from connector.glue.receive import ReceiveFlow
 from connector.glue.retry import RetryPolicy
 from connector.glue.wire import prompt_digest
+from connector.state.connections import ConnectionTable
 from connector.state.leases import LeaseLedger
-from connector.state.peers import PeerTable
 from connector.state.receives import ReceiveLedger
 from connector.telemetry import errors
+from connector.telemetry.handshake_calls import HandshakeCallObserver
 from connector.telemetry.in_flight import InFlight
 from connector.telemetry.receives import ReceiveClock
-from connector.telemetry.span_table import BoundedIdSet, SpanTable
+from connector.telemetry.span_table import SpanTable
 from connector.telemetry.stats import ObservedNixlStats
 from connector.telemetry.tracing import SpanEmitter, resolve_tracer, span_ids
 from connector.vocabulary import (
     METADATA_GIVEN_UP_ATTR,
     METADATA_TRACE_ATTR,
     Attr,
-    PushFailReason,
+    PeerReset,
     ReceiveAbandon,
     ReceiveFailure,
     ReceiveOutcome,
     TelemetryError,
-    Trigger,
-    WriteAbort,
 )
 
 if TYPE_CHECKING:
@@ -73,8 +75,6 @@ logger = logging.getLogger(__name__)
 _PUSH_FAILURES = frozenset(
     {"push_handshake_failed", "transfer_setup_failed", "transfer_failed", "transfer_exception"}
 )
-# ... and those that end a D-side receive before any WRITE can land.
-_RECEIVE_FAILURES = frozenset({"push_reg_handshake_failed"})
 # vLLM's default for the D-side registration watchdog (`push_registration_timeout`,
 # itself defaulting to `decoder_kv_blocks_ttl`).
 DEFAULT_REGISTRATION_TIMEOUT_S = 480.0
@@ -84,10 +84,17 @@ DEFAULT_WRITE_TIMEOUT_S = 30.0
 DEFAULT_LEASE_MARGIN_S = 2.0
 # A dropped peer silent this long is forgotten.
 DEFAULT_FORGET_AFTER_S = 600.0
-__all__ = ["ObservedPushWorker", "prompt_digest"]
+__all__ = ["ObservedPushWorker", "hold_bound_s", "prompt_digest"]
 # (Plain strings: an enum's `.value` is a Python-level property, read per request.)
 _SUCCESS, _FAILURE, _EXPIRED = (o.value for o in (ReceiveOutcome.SUCCESS, ReceiveOutcome.FAILURE,
                                                   ReceiveOutcome.EXPIRED))
+
+
+def hold_bound_s(lease_s: float, write_timeout_s: float, margin_s: float) -> float:
+    """How long after a decoder last asked for its KV a WRITE may still land in its
+    blocks: P posts none later than a lease after that ask, and aborts any older than
+    the WRITE timeout; two margins cover clock offsets and engine steps."""
+    return lease_s + write_timeout_s + 2 * margin_s
 
 
 class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFlow,
@@ -115,40 +122,70 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         self._init_handshakes()
         self._kv_role = self.kv_transfer_config.kv_role
         self._hb_handshake_notif_only = True
-        # What an untagged handshake on vLLM's writer thread is for (handshakes.py).
-        self._writer_trigger = {"kv_producer": Trigger.PUSH_WRITE,
-                                "kv_consumer": Trigger.PUSH_REG}.get(self._kv_role)
+        # vLLM's map of remote agents, able to hide one engine from the thread upgrading
+        # it (compat.py); written by the connection table only.
+        self._remote_agents = RemoteAgentTable(self._remote_agents)
         obs = getattr(vllm_config, "observability_config", None)
         self._init_state(extra, resolve_tracer(getattr(obs, "otlp_traces_endpoint", None)))
-        self.nixl_wrapper = NixlAgentProbe(self.nixl_wrapper, on_notif=self._notif_sent,
-                                           on_receive=self._notifs_received)
-        self._remote_agents = RemoteAgentTable(self._remote_agents)
-        # Engines connected notification-only, and the pending handshake job per engine
-        # (its flavor, and whether a WRITE waits on it).
-        self._notif_only_engines: set[str] = set()
-        self._pending_jobs: dict[str, Any] = {}
-        self._trigger_local = threading.local()
         self._retry_policy = RetryPolicy.from_extra_config(extra)
-        self._init_receive()
-        self._init_push()
+        self._init_push(extra)
         self._init_leases()
         self._init_peers()
+        # vLLM's writer reads NIXL notifications through this (connector/glue/notifications.py);
+        # handshakes' NIXL calls are measured below it (telemetry/handshake_calls.py).
+        self.nixl_wrapper = NotificationRouter(HandshakeCallObserver(self.nixl_wrapper), Owners(
+            contact=self._connections.heard_from, heartbeat=self._renew_from,
+            push_fail=self._push_fail_from, push_fail_lost=self._push_fail_lost,
+            completion=self._write_landed_from if self._kv_role != "kv_producer" else None,
+            after_pass=self._writer_due_work if self._kv_role != "kv_consumer" else _nothing))
+
+    @classmethod
+    def without_engine(cls, kv_role: str, *, extra: dict[str, Any] | None = None, tracer: Any = None,
+                       engine_id: str = "engine-0", lease_extension: int = 20,
+                       handshake_pool: Any = None) -> ObservedPushWorker:
+        """A worker with the fork's state and no vLLM engine, NIXL agent or threads: the
+        declared seam for unit tests and benchmarks of the flows (benchmarks/telemetry_cost.py).
+        It holds what vLLM's constructor would set that the flows' state needs (the
+        remote-engine maps and their lock, the lease extension), and nothing else of vLLM's."""
+        get = (extra or {}).get
+        worker = object.__new__(cls)
+        worker._kv_role, worker.engine_id, worker.tp_rank = kv_role, engine_id, 0
+        worker._lease_extension = lease_extension  # (vLLM's: two thirds of the lease)
+        worker._handshake_lock = threading.RLock()
+        worker._remote_agents = RemoteAgentTable()
+        worker._handshake_futures, worker._engine_clock_offset, worker._engine_last_active = {}, {}, {}
+        worker._handshake_pool = handshake_pool
+        worker._retry_policy = RetryPolicy.from_extra_config(lambda key, default=None: get(key, default))
+        worker._init_state(lambda key, default=None: get(key, default), tracer)
+        worker._init_push(lambda key, default=None: get(key, default))
+        worker._init_leases()
+        return worker
 
     def _init_state(self, extra: Any, tracer: Any) -> None:
         """The push state's owners and the per-request telemetry the flows keep: all the
-        worker holds beyond vLLM's own (benchmarks/telemetry_cost.py builds a worker
-        without vLLM's engine with this too). Needs vLLM's `_lease_extension`."""
+        worker holds beyond vLLM's own (a worker built without vLLM's engine, as
+        benchmarks/telemetry_cost.py does, gets plain maps for vLLM's). Needs vLLM's
+        `_lease_extension`."""
         self.xfer_stats = ObservedNixlStats()
         # The push state's owners (connector/state; docs/architecture.md "Push state").
         lease_s = float(extra("kv_lease_duration", 30))
         write_timeout_s = float(extra("push_write_timeout_s", DEFAULT_WRITE_TIMEOUT_S))
         margin_s = float(extra("push_lease_margin_s", DEFAULT_LEASE_MARGIN_S))
+        registration_timeout_s = float(extra("push_registration_timeout",
+                                             extra("decoder_kv_blocks_ttl", DEFAULT_REGISTRATION_TIMEOUT_S)))
         self._leases = LeaseLedger(lease_s=lease_s, extension_s=float(self._lease_extension),
                                    write_timeout_s=write_timeout_s, margin_s=margin_s,
                                    base_of=get_base_request_id)
-        self._receives = ReceiveLedger(hold_s=lease_s + write_timeout_s + 2 * margin_s)
-        self._peers = PeerTable(forget_after_s=float(extra("peer_forget_after_s",
-                                                           DEFAULT_FORGET_AFTER_S)))
+        self._receives = ReceiveLedger(hold_s=hold_bound_s(lease_s, write_timeout_s, margin_s),
+                                       timeout_s=registration_timeout_s)
+        # The remote engines: vLLM's lock and maps of them are the table's (see there).
+        self._connections = ConnectionTable(
+            forget_after_s=float(extra("peer_forget_after_s", DEFAULT_FORGET_AFTER_S)),
+            lock=getattr(self, "_handshake_lock", None),
+            remote_agents=getattr(self, "_remote_agents", None),
+            futures=getattr(self, "_handshake_futures", None),
+            clock_offsets=getattr(self, "_engine_clock_offset", None),
+            last_active=getattr(self, "_engine_last_active", None))
         self._spans = SpanEmitter(tracer)
         self._receive_spans = SpanTable()  # D: registration until KV landed
         self._register_spans = SpanTable()  # D: registration until PUSH_REG sent
@@ -157,13 +194,41 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         self._request_contexts = SpanTable(spans=False)
         # D: registration handed over until KV landed, failed or expired (histogram), and
         # the request's arrival (its whole wait for KV).
-        self._receive_clock = ReceiveClock(float(extra(
-            "push_registration_timeout",
-            extra("decoder_kv_blocks_ttl", DEFAULT_REGISTRATION_TIMEOUT_S))))
-        self._push_lock = threading.Lock()
-        self._pushing = BoundedIdSet()  # P: WRITEs posted, not yet reported done
-        self._push_failed = BoundedIdSet()
+        self._receive_clock = ReceiveClock(registration_timeout_s)
         self._in_flight = InFlight()
+
+    # -------------------------------------------------- declared seams (tools)
+    # What the harness, benchmarks and tests use of a running worker beyond vLLM's own
+    # interface and what `Flow` declares (tests/test_seams.py holds them to it).
+    def observed_state(self) -> dict[str, Any]:
+        """What the push state's owners hold (counts), and the per-request telemetry
+        tables' sizes."""
+        tables = {"write_spans": self._write_spans, "receive_spans": self._receive_spans,
+                  "register_spans": self._register_spans, "request_contexts": self._request_contexts,
+                  "receive_clock": self._receive_clock, "in_flight": self._in_flight,
+                  "write_deferred_at": getattr(self, "_write_deferred_at", {})}
+        return {"leases": self._leases.snapshot(), "receives": self._receives.snapshot(),
+                "connections": self._connections.snapshot(),
+                "telemetry_tables": {name: len(table) for name, table in tables.items()}}
+
+    def observed_connect(self, trigger: Any, engine_id: str, host: str, port: int, tp_size: int,
+                         **tail: Any) -> Any:
+        """A connection for `trigger` (a `Trigger`), as the flows ask for one."""
+        return self._connect(trigger, None, engine_id, host, port, tp_size, tail)
+
+    def observed_suspect(self, engine_id: str) -> None:
+        """Mark the connection to `engine_id` failed, as a failed notification does."""
+        self._connections.failed(engine_id, PeerReset.NOTIFICATION_FAILED)
+
+    def observed_interpose(self, factory: Any) -> Any:
+        """Put `factory(agent)` below the fork's wrappers of the NIXL agent (a fault
+        layer: the router then routes what it delivers); returns it."""
+        return self.nixl_wrapper.interpose(factory)
+
+    @property
+    def observed_tracer(self) -> Any:
+        """The tracer the worker's spans come from (None: tracing off)."""
+        return self._spans.tracer if self._spans.enabled else None
 
     # ------------------------------------------------------------- every step
     # vLLM calls these on the engine's main thread every step, mostly with nothing
@@ -171,8 +236,8 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         """Before vLLM's step: D starts (and traces) the receives handed over and gives
         up those whose client went away; P grants the step's leases in the ledger (the
-        writer may see their blocks the moment vLLM queues them). Then vLLM's step, its
-        heartbeats tagged; then P takes vLLM's exact lease deadlines."""
+        writer may see their blocks the moment vLLM queues them). Then vLLM's step (its
+        heartbeats are ours: LeaseFlow); then P takes vLLM's exact lease deadlines."""
         if getattr(self, "pcp_rank", 0) > 0 and not getattr(self, "pcp_dcp_sharded", False):
             return super().start_load_kv(metadata)  # (vLLM skips the whole step on these ranks)
         if metadata.push_registrations:
@@ -186,13 +251,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
                    else None)
         if self._spans.enabled and getattr(metadata, METADATA_TRACE_ATTR, None):
             self._keep_request_contexts(metadata)
-        if not metadata.heartbeat_by_engine and not self._owed_heartbeats:  # most steps
-            super().start_load_kv(metadata)
-        else:
-            # vLLM sends the step's heartbeats (`_send_heartbeats`) at the end of this
-            # call, the only place in it that may start a handshake: tag those as the
-            # heartbeat's (roots of their own traces).
-            self._run_triggered(Trigger.HEARTBEAT, None, super().start_load_kv, metadata)
+        super().start_load_kv(metadata)  # (it sends the heartbeats last: `_send_heartbeats`)
         if granted:
             self._note_leases_granted(granted)
         return None
@@ -217,87 +276,43 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """The step's defined point for the push state (engine main thread), in order:
-        PUSH_FAILs received and peers tended (receives that fail now are queued for
+        peers tended and receives timed out (receives that fail now are queued for
         vLLM's step); vLLM's step, whose reaper releases what the lease ledger released
-        and which polls the WRITEs; then WRITEs settled, overdue ones aborted, and the
-        results accounted."""
-        if self._pending_completion_notifs.push_fails:  # rare: D was told a push will not come
-            self._take_push_fail_notifs()  # before vLLM drains its failed receives
-        if self._peers.need_tending or self._receives.abandoned or self._receives or \
-                time.perf_counter() - self._tended_at >= 1.0:
+        and which polls the WRITEs; then WRITEs settled, overdue ones aborted, the
+        ledgers told what ended; then the telemetry of it all."""
+        if self._tend_due():
             self._tend_peers()  # before vLLM reports the receives it fails
-        clock = self._receive_clock
-        expired = clock.waiting and time.monotonic() >= clock.next_expiry
-        if expired:
-            for req_id, _ in clock.overdue():
-                self._give_up_receive(req_id, ReceiveAbandon.TIMED_OUT)
+        now = time.perf_counter()
+        for req_id in self._receives.timed_out(now):
+            self._give_up_receive(req_id, ReceiveAbandon.TIMED_OUT)
         results = super().get_transfer_results()
         if self._leases.writing or results.finished_sending:
-            # Read and judged in one critical section with the writer's publish: the
-            # writer publishes a WRITE's handles under this lock and only then marks its
-            # lease posted, so a lease `settle` finds WRITING has its open handles in
-            # this read. (Read first and judged after, a WRITE published and marked
-            # posted in between looked settled without success: a landed push failed.)
-            with self._sending_transfers_lock:
-                open_writes = {r for r, handles in self._sending_transfers.items() if handles}
-                settled_now = self._leases.settle(results.finished_sending, open_writes,
-                                                  time.perf_counter())
-            for settled in settled_now:
-                if settled.pushed:
-                    try:
-                        self._record_push_stages(settled)
-                    except Exception as exc:
-                        errors.note(TelemetryError.STATS, exc)
-                else:
-                    self._mark_push_failed(settled.req_id, "push_failed",
-                                           (settled.failure or PushFailReason.PUSH_FAILED).value)
+            self._settle_writes(results)
         if len(self._leases):
             # After vLLM polled this step's WRITEs: a handle still open is not done.
             self._abort_overdue_writes()
-        if results.finished_sending or results.finished_recving or expired:
+        completed = self._leases_ended(results.finished_sending) if results.finished_sending else ()
+        failures = {req_id: self._receives.over(req_id) for req_id in results.finished_recving}
+        clock = self._receive_clock
+        if results.finished_sending or failures or (clock.waiting and time.monotonic() >= clock.next_expiry):
             try:
-                self._account_results(results)
+                self._observe_results(results, completed, failures)
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
+        for req_id in results.finished_sending:
+            self._leases.forget(req_id)  # (after its telemetry read the lease's history)
         return results
-
-    def _abort_overdue_writes(self) -> None:
-        """Claims past push_write_timeout_s: an unposted one fails in the ledger; posted
-        WRITEs are aborted here (NIXL releases their handles: no byte moves after)."""
-        for req_id in self._leases.overdue(time.perf_counter()):
-            with self._sending_transfers_lock:
-                handles = list(self._sending_transfers.get(req_id, ()))
-                kept = []
-                for handle in handles:
-                    try:
-                        self.nixl_wrapper.release_xfer_handle(handle)
-                    except Exception:
-                        kept.append(handle)
-                if kept:
-                    self._sending_transfers[req_id] = kept
-                else:
-                    self._sending_transfers.pop(req_id, None)
-            outcome = WriteAbort.ABORT_FAILED if kept else WriteAbort.ABORTED
-            logger.warning("WRITE of request %s did not settle within push_write_timeout_s: %s",
-                           req_id, "NIXL kept it; trying again next step" if kept else "aborted")
-            try:
-                self.xfer_stats.record_write_abort(outcome.value)
-            except Exception as exc:
-                errors.note(TelemetryError.STATS, exc)
-            if not kept:
-                self._leases.aborted(req_id)
-                self._mark_push_failed(req_id, "write_timeout",
-                                       "the WRITE did not settle within push_write_timeout_s")
 
     # ------------------------------------------------------------- failures
     def _log_failure(self, failure_type: str, req_id: str | None, msg: str = "",
                      error: BaseException | None = None, meta: ReqMeta | None = None,
                      **extra_context: Any) -> None:
-        """vLLM's structured failure line, then our accounting.
+        """vLLM's structured failure line, then what the failure means for the push.
 
         Written here rather than calling vLLM's: its line uses `stacklevel=2` to name
         the code that failed, and a wrapper around it would make every failure line
         point at this file instead. Same logger, message and context keys as vLLM's.
+        It never raises into its caller (vLLM's code, mid-cleanup).
         """
         context: dict[str, Any] = {"failure_type": failure_type, "request_id": req_id,
                                    "engine_id": self.engine_id}
@@ -313,57 +328,47 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         vllm_logger.error("NIXL transfer failure: %s | Context: %s",
                           f"{failure_type}. {msg}" if msg else failure_type, context,
                           exc_info=error is not None, stacklevel=2)
+        if req_id is None or failure_type not in _PUSH_FAILURES or self._kv_role == "kv_consumer":
+            return
+        # P: the push failed. A claim that posted nothing fails now; posted WRITEs fail
+        # once all settle; the decoder is told once no handle is open.
+        why = error or msg
         try:
-            self._account_failure(failure_type, req_id, error or msg)
-        except Exception as exc:
-            errors.note(TelemetryError.STATS, exc)
-
-    def _account_failure(self, failure_type: str, req_id: str | None, why: Any) -> None:
-        if failure_type == "push_reg_notif_failed":
-            self._trigger_local.reg_failures = getattr(self._trigger_local, "reg_failures", 0) + 1
-            self.xfer_stats.record_push_reg_notif(sent=False)
-            return
-        if req_id is None:
-            return
-        if failure_type in _PUSH_FAILURES and self._kv_role != "kv_consumer":
             if failure_type != "push_handshake_failed":  # (the WRITE itself failed)
-                self._push_broke(req_id, why)
-            # A claim that posted nothing fails now; posted WRITEs fail once all settle.
-            self._leases.fail(req_id, PushFailReason.PUSH_FAILED)
-            self._mark_push_failed(req_id, failure_type, str(why))
-        elif failure_type in _RECEIVE_FAILURES and not self._receives.reached_prefill(req_id):
-            # (Once a PUSH_REG reached P, vLLM's failure is turned into a give-up.)
-            self._receives.note_failure(req_id, ReceiveFailure.HANDSHAKE_FAILED)
-            self._end_receive_spans(req_id, failure_type, str(why))
+                self._suspect_write_target(req_id, why)
+        except Exception:
+            logger.error("Suspecting the connection of request %s's failed WRITE failed; the push "
+                         "still fails", req_id, exc_info=True)
+        try:
+            self._push_failed(req_id, failure_type, str(why))
+        except Exception:
+            logger.error("Failing the push of request %s failed; push_write_timeout_s ends it",
+                         req_id, exc_info=True)
 
-    def _account_results(self, results: KVConnectorTransferResults) -> None:
+    # ------------------------------------------------------------- telemetry
+    def _observe_results(self, results: KVConnectorTransferResults, completed: Any,
+                         failures: dict[str, ReceiveFailure | None]) -> None:
+        """The step's ended pushes and receives, counted and their spans ended."""
         tracing = self._spans.enabled  # (without it the span tables stay empty: no lookups)
-        if results.finished_sending:
-            self._leases_ended(results.finished_sending)
-        for req_id in results.finished_sending:
-            with self._push_lock:
-                pushed = req_id in self._pushing
-                failed = req_id in self._push_failed
-                self._pushing.pop(req_id, None)
-                self._push_failed.pop(req_id, None)
-            if pushed and not failed:
-                self.xfer_stats.record_push_completed()
-            if tracing:
+        for _ in completed:
+            self.xfer_stats.record_push_completed()
+        if tracing:
+            completed = set(completed)
+            for req_id in results.finished_sending:
                 span = self._write_spans.pop(req_id)
                 self._request_contexts.pop(req_id)
-                if span is not None:
-                    self._lease_events(req_id, span)
-                if pushed and not failed:
+                if span is None:
+                    continue
+                self._lease_events(req_id, span)
+                if req_id in completed:
                     SpanEmitter.end(span)
-                elif span is not None:
+                else:
                     SpanEmitter.end(span, error_type="lease_expired",
                                     message="KV lease ended before the WRITE completed")
-            self._leases.forget(req_id)
         clock = self._receive_clock
         record = self.xfer_stats.record_receive
-        for req_id in results.finished_recving:
+        for req_id, why in failures.items():
             failed = req_id in results.failed_recving
-            why = self._receives.over(req_id)
             if failed:
                 self.xfer_stats.record_receive_failure((why or ReceiveFailure.OTHER).value)
             if not tracing:  # (`_record_receive` inlined: one call fewer per receive)
@@ -396,3 +401,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         if seconds is not None:
             self.xfer_stats.record_receive(outcome, seconds,
                                            None if span is None else span_ids(span), kv_wait)
+
+
+def _nothing() -> None:
+    """The writer's due work of a pure consumer: none."""

@@ -4,14 +4,16 @@
   the PUSH_FAILs owed to decoders.
 - `receives.ReceiveLedger` (D): each receive from its registration until its KV landed
   or it failed, and when a given-up receive's blocks are safe to free.
-- `peers.PeerTable` (both): remote engines' agents, when each last answered, which are
-  suspect, dropped or forgotten.
+- `connections.ConnectionTable` (both): each remote engine and this worker's connection
+  to it: agents, flavor, the handshake being made, drop state, last contact, suspects,
+  and the work parked for its next connection. Its lock is vLLM's `_handshake_lock`, and
+  it writes vLLM's maps of the remote engines itself.
 
-Every thread (the engine's main thread, vLLM's writer, the handshake pool, the idle
-poll) changes this state only through these objects' methods, which take the object's
+Every thread (the engine's main thread, vLLM's writer, the handshake pool, the retry
+timers) changes this state only through these objects' methods, which take the object's
 lock, decide, and return what the caller must do; none calls into vLLM, NIXL or
-another of these objects while holding its lock. vLLM's own maps are changed on the
-engine's main thread only, at the points docs/architecture.md ("Push state") names.
+another of these objects while holding its lock. Where vLLM's own maps are changed,
+and by which thread, is the table in docs/architecture.md ("vLLM's maps").
 Nothing here imports vLLM: the rules are tested on their own (tests/test_push_state.py).
 """
 

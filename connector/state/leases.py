@@ -79,6 +79,10 @@ class Lease:
     posted_pc: float = 0.0  # perf_counter when its WRITE started posting
     handles: int = 0
     failure: PushFailReason | None = None
+    # The push counters (once per request, whatever the ranks): its WRITE was posted
+    # (`posted` said so), and its push was counted failed (`push_failed` said so).
+    started: bool = False
+    failed_counted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +141,6 @@ class LeaseLedger:
         self._pending_bases: dict[str, str] = {}  # base id -> the D request waiting on it
         self._ended_keys: OrderedDict[str, bool] = OrderedDict()  # key -> released (True) / pushed
         self._owed: list[tuple[dict[str, Any], PushFailReason]] = []
-        # Decoder engine -> PUSH_FAILs that reached none of its agents: owed again once
-        # its dead connection is dropped (the next send re-handshakes).
-        self._owed_after_reset: dict[str, list[tuple[dict[str, Any], PushFailReason]]] = {}
-        self._dropping: set[str] = set()
         self._writes = 0  # leases WRITING
         self._last_reap = 0.0
         # Counters of what the ledger kept from happening (read by tests and stats).
@@ -168,8 +168,7 @@ class LeaseLedger:
                 counts[lease.state.value] = counts.get(lease.state.value, 0) + 1
             return {"leases": counts, "prefilling": len(self._prefilling),
                     "registrations": len(self._registrations), "owed": len(self._owed),
-                    "ended_keys": len(self._ended_keys), "dropping": sorted(self._dropping),
-                    "owed_after_reset": sum(map(len, self._owed_after_reset.values()))}
+                    "ended_keys": len(self._ended_keys)}
 
     def oldest_held(self, now_mono: float) -> tuple[int, float]:
         """(live leases, age of the oldest in s)."""
@@ -325,14 +324,20 @@ class LeaseLedger:
             if lease is not None and lease.state is LeaseState.WRITING:
                 self._fail(lease, PushFailReason.WRITE_TIMEOUT)
 
-    def ended(self, req_ids: Iterable[str]) -> None:
-        """Main: vLLM reported these requests done sending (pushed or released)."""
+    def ended(self, req_ids: Iterable[str]) -> list[str]:
+        """Main: vLLM reported these requests done sending (pushed or released).
+        Returns those whose push completed: posted, never counted failed."""
+        completed = []
         with self._lock:
             for req_id in req_ids:
                 lease = self._leases.get(req_id)
-                if lease is not None and lease.state in _LIVE:
-                    self._end(lease, LeaseState.PUSHED)
+                if lease is not None:
+                    if lease.state in _LIVE:
+                        self._end(lease, LeaseState.PUSHED)
+                    if lease.started and not lease.failed_counted:
+                        completed.append(req_id)
                 self._prefilling.pop(req_id, None)
+        return completed
 
     def forget(self, req_id: str) -> None:
         """Main: the ended lease's telemetry is done with; its tombstone stays."""
@@ -442,17 +447,14 @@ class LeaseLedger:
         return None
 
     def begin_post(self, p_request_id: str, d_clock_offset: float | None,
-                   now: float) -> Refusal | str | None:
-        """The writer is about to post the claimed lease's WRITEs: None to go on,
-        "retry" while its decoder's connection is being dropped, or a Refusal (the
-        lease then FAILED, its PUSH_FAIL owed)."""
+                   now: float) -> Refusal | None:
+        """The writer is about to post the claimed lease's WRITEs: None to go on (the
+        lease is POSTING), or a Refusal (the lease then FAILED, its PUSH_FAIL owed)."""
         with self._lock:
             lease = self._leases.get(p_request_id)
             if lease is None or lease.state is not LeaseState.CLAIMED:
                 return Refusal(None, PushFailReason.WRITE_TIMEOUT,
                                f"the claim ended before the WRITE ({lease.state.value if lease else 'gone'})")
-            if lease.engine in self._dropping:
-                return "retry"
             # (The decoder's clock = ours + offset.) The decoder keeps given-up blocks a
             # lease plus the WRITE timeout after its last "still wanted": a WRITE
             # posted later than a lease after it could outlive them.
@@ -466,18 +468,42 @@ class LeaseLedger:
             lease.posted_pc = now
         return None
 
-    def posted(self, p_request_id: str, handles: int) -> None:
-        """The writer published the lease's WRITE handles (none: the push failed)."""
+    def unpost(self, p_request_id: str) -> None:
+        """The writer posted nothing after all (its decoder's connection is being
+        dropped): POSTING back to CLAIMED, to be posted after the drop."""
         with self._lock:
             lease = self._leases.get(p_request_id)
-            if lease is None or lease.state is not LeaseState.POSTING:
-                return
+            if lease is not None and lease.state is LeaseState.POSTING:
+                lease.state = LeaseState.CLAIMED
+
+    def posted(self, p_request_id: str, handles: int) -> bool:
+        """The writer published the lease's WRITE handles (none: the push failed).
+        True the first time the request has handles: count its push started."""
+        with self._lock:
+            lease = self._leases.get(p_request_id)
+            if lease is None:
+                return handles > 0
+            started = handles > 0 and not lease.started
+            lease.started = lease.started or handles > 0
+            if lease.state is not LeaseState.POSTING:
+                return started  # (vLLM reported it done first: PUSHED already)
             if handles > 0:
                 lease.state = LeaseState.WRITING
                 lease.handles = handles
                 self._writes += 1
             else:
                 self._fail(lease, PushFailReason.PUSH_FAILED)
+            return started
+
+    def push_failed(self, p_request_id: str) -> bool:
+        """The push of this request failed: True the first time (count it once)."""
+        with self._lock:
+            lease = self._leases.get(p_request_id)
+            if lease is None:
+                return True
+            first = not lease.failed_counted
+            lease.failed_counted = True
+            return first
 
     def fail(self, p_request_id: str, reason: PushFailReason) -> bool:
         """A claim that posted nothing ends (handshake or set-up failed); for WRITING
@@ -507,20 +533,11 @@ class LeaseLedger:
             self._note_registration(reg.get("request_id", ""), "refused", reason)
             self._owed.append((reg, reason))
 
-    def owe_after_reset(self, engine_id: str, reg: dict[str, Any], reason: PushFailReason) -> None:
-        """A PUSH_FAIL reached none of the decoder's agents: owed again after the drop."""
+    def owe_again(self, reg: dict[str, Any], reason: PushFailReason) -> None:
+        """A PUSH_FAIL that reached none of its decoder's agents, owed again now that the
+        connection was replaced (connector/state/connections.py parked it)."""
         with self._lock:
-            self._owed_after_reset.setdefault(engine_id, []).append((reg, reason))
-
-    def connection_reset(self, engine_id: str) -> None:
-        """Main: the decoder's connection was dropped: what waited for that is owed now."""
-        with self._lock:
-            self._owed.extend(self._owed_after_reset.pop(engine_id, ()))
-
-    def forget_owed(self, engine_id: str) -> list[tuple[dict[str, Any], PushFailReason]]:
-        """The decoder engine is forgotten: its PUSH_FAILs are undeliverable."""
-        with self._lock:
-            return self._owed_after_reset.pop(engine_id, [])
+            self._owed.append((reg, reason))
 
     def unmatched(self, d_request_id: str) -> None:
         """The writer gave up waiting for a prefill for this registration."""
@@ -531,19 +548,12 @@ class LeaseLedger:
             self._note_registration(d_request_id, "refused", PushFailReason.NO_PREFILL)
 
     # ------------------------------------------------------------ any thread
-    def begin_drop(self, engine_id: str) -> bool:
-        """Main: the connection to `engine_id` may be dropped now (no WRITE to it is
-        being posted or in flight); later posts to it retry until `end_drop`."""
+    def posting_to(self, engine_id: str) -> bool:
+        """Main, dropping the connection to `engine_id`: some WRITE to it is being
+        posted or in flight (the drop waits; see connections.py for the order)."""
         with self._lock:
-            for lease in self._leases.values():
-                if lease.engine == engine_id and lease.state in (LeaseState.POSTING, LeaseState.WRITING):
-                    return False
-            self._dropping.add(engine_id)
-            return True
-
-    def end_drop(self, engine_id: str) -> None:
-        with self._lock:
-            self._dropping.discard(engine_id)
+            return any(lease.engine == engine_id and lease.state in _POSTED
+                       for lease in self._leases.values())
 
     def target_of(self, req_id: str) -> str | None:
         """The decoder engine a claimed lease is pushed to."""

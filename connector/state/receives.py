@@ -35,7 +35,6 @@ class ReceiveState(StrEnum):
     UNDELIVERED = "undelivered"  # it reached none (kept to send again once reconnected)
     ABANDONED = "abandoned"  # given up: failed once `safe_at` passes, unless it lands first
     FAILING = "failing"  # handed to vLLM to fail (reported on its next step)
-    DONE = "done"
 
 
 _WAITING = frozenset({ReceiveState.QUEUED, ReceiveState.SENDING, ReceiveState.REGISTERED,
@@ -46,14 +45,14 @@ _WAITING = frozenset({ReceiveState.QUEUED, ReceiveState.SENDING, ReceiveState.RE
 class Receive:
     req_id: str
     engine: str | None
-    started_at: float  # monotonic
+    started_at: float  # perf_counter
     state: ReceiveState = ReceiveState.QUEUED
     agents: frozenset[str] = frozenset()  # P agents (ranks) its PUSH_REG reached
     settled: frozenset[str] = frozenset()  # of those: done writing, or said PUSH_FAIL
     reg: dict[str, Any] | None = None
     last_want: float = 0.0  # PUSH_REG sent, or last heartbeat naming it
     sent_at: float = 0.0  # the PUSH_REG last reached P
-    safe_at: float = 0.0  # monotonic, while ABANDONED
+    safe_at: float = 0.0  # perf_counter, while ABANDONED
     abandon: ReceiveAbandon | None = None
     failure: ReceiveFailure | None = None
 
@@ -62,8 +61,10 @@ class ReceiveLedger:
     """See module docstring. `hold_s`: lease + WRITE timeout + margin (how long after
     the decoder's last ask a WRITE may still land)."""
 
-    def __init__(self, hold_s: float, limit: int = MAX_RECEIVES):
+    def __init__(self, hold_s: float, timeout_s: float = float("inf"), limit: int = MAX_RECEIVES):
         self.hold_s = hold_s
+        self.timeout_s = timeout_s  # push_registration_timeout: a receive waits no longer
+        self._next_timeout = float("inf")  # no receive times out before this (perf_counter)
         self._limit = limit
         self._lock = threading.Lock()
         self._receives: OrderedDict[str, Receive] = OrderedDict()
@@ -100,10 +101,27 @@ class ReceiveLedger:
                     continue
                 self._receives[req_id] = Receive(req_id, reg.get("remote_engine_id"), now,
                                                  reg=reg, last_want=now)
+                self._next_timeout = min(self._next_timeout, now + self.timeout_s)
             while len(self._receives) > self._limit:
                 _, old = self._receives.popitem(last=False)
                 if old.state is ReceiveState.ABANDONED:
                     self._abandoned -= 1
+
+    def timed_out(self, now: float) -> list[str]:
+        """Receives still waiting `timeout_s` after they started (the caller gives them
+        up). Receives are kept in start order: one look at the oldest while none can."""
+        if now < self._next_timeout:
+            return []
+        out = []
+        with self._lock:
+            self._next_timeout = float("inf")
+            for rec in self._receives.values():
+                if now - rec.started_at < self.timeout_s:
+                    self._next_timeout = rec.started_at + self.timeout_s
+                    break
+                if rec.state in _WAITING:
+                    out.append(rec.req_id)
+        return out
 
     def wanted(self, req_ids: set[str]) -> set[str]:
         """Of the requests a heartbeat would name, those still wanted (abandoned and
@@ -162,7 +180,7 @@ class ReceiveLedger:
         True when the receive was waiting (the caller hands it to vLLM)."""
         with self._lock:
             rec = self._receives.get(req_id)
-            if rec is None or rec.state in (ReceiveState.FAILING, ReceiveState.DONE):
+            if rec is None or rec.state is ReceiveState.FAILING:
                 return False
             if rec.state is ReceiveState.ABANDONED:
                 self._abandoned -= 1
@@ -188,7 +206,7 @@ class ReceiveLedger:
         "ignore": not waiting here."""
         with self._lock:
             rec = self._receives.get(req_id)
-            if rec is None or rec.state in (ReceiveState.FAILING, ReceiveState.DONE):
+            if rec is None or rec.state is ReceiveState.FAILING:
                 return "ignore"
             rec.failure = rec.failure or why
             if agent is not None:
@@ -205,20 +223,31 @@ class ReceiveLedger:
     def _fail_if_settled(self, rec: Receive) -> bool:
         if rec.failure is None or not rec.agents or not rec.agents <= rec.settled:
             return False
-        if rec.state in (ReceiveState.FAILING, ReceiveState.DONE):
+        if rec.state is ReceiveState.FAILING:
             return False
         if rec.state is ReceiveState.ABANDONED:
             self._abandoned -= 1
         rec.state = ReceiveState.FAILING
         return True
 
-    def note_failure(self, req_id: str, why: ReceiveFailure) -> None:
-        """vLLM fails this receive itself (e.g. its registration handshake failed); not
-        once its PUSH_REG reached P (the fork gives it up instead: FailedReceives)."""
+    def handshake_failed(self, req_id: str, now: float) -> str:
+        """The D->P handshake its PUSH_REG waited for failed for good. "fail": its
+        PUSH_REG never reached P, fail it now (no WRITE can come); "held": an earlier
+        PUSH_REG of it reached P (this was a resend), so it is given up and fails at its
+        safe point; "": not waiting here."""
         with self._lock:
             rec = self._receives.get(req_id)
-            if rec is not None and rec.failure is None and not rec.sent_at:
-                rec.failure = why
+            if rec is None or rec.state in (ReceiveState.FAILING, ReceiveState.ABANDONED):
+                return ""
+            if not rec.agents:
+                rec.state = ReceiveState.FAILING
+                rec.failure = ReceiveFailure.HANDSHAKE_FAILED
+                return "fail"
+            rec.state = ReceiveState.ABANDONED
+            rec.abandon = ReceiveAbandon.PEER_UNREACHABLE
+            rec.safe_at = max(rec.last_want, now) + self.hold_s
+            self._abandoned += 1
+            return "held"
 
     def over(self, req_id: str) -> ReceiveFailure | None:
         """vLLM reported the receive finished (landed or failed): why we failed it."""
@@ -237,8 +266,7 @@ class ReceiveLedger:
         """Its PUSH_REG reached P at least once (and it is not over)."""
         with self._lock:
             rec = self._receives.get(req_id)
-            return rec is not None and rec.sent_at > 0 and rec.state not in (
-                ReceiveState.FAILING, ReceiveState.DONE)
+            return rec is not None and rec.sent_at > 0 and rec.state is not ReceiveState.FAILING
 
     def registered_on(self, engine_id: str, agents: frozenset[str]) -> list[str]:
         """Receives whose PUSH_REG reached only these (now gone) agents of `engine_id`."""
@@ -279,16 +307,6 @@ class ReceiveLedger:
             for rec in self._receives.values():
                 if rec.state is ReceiveState.REGISTERED and rec.reg and now - rec.sent_at >= every_s:
                     rec.sent_at = now
-                    out.append((rec.req_id, rec.reg))
-            return out
-
-    def take_undelivered(self, engine_id: str) -> list[tuple[str, dict[str, Any]]]:
-        """Main, once reconnected: PUSH_REGs that reached no agent, to send again."""
-        with self._lock:
-            out = []
-            for rec in self._receives.values():
-                if rec.engine == engine_id and rec.state is ReceiveState.UNDELIVERED and rec.reg:
-                    rec.state = ReceiveState.QUEUED
                     out.append((rec.req_id, rec.reg))
             return out
 

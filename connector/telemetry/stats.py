@@ -67,6 +67,23 @@ class ObservedNixlStats(NixlKVConnectorStats):
             self._reset()
         return old
 
+    # -- vLLM's own records that other threads make ---------------------------
+    # vLLM appends these without a lock from the writer (a WRITE that could not be
+    # posted, a notification that failed) and the handshake pool (a failed handshake),
+    # while the main thread swaps the interval's dict: under our lock, each lands in
+    # exactly one interval.
+    def record_failed_transfer(self) -> None:
+        with _LOCK:
+            super().record_failed_transfer()
+
+    def record_failed_notification(self) -> None:
+        with _LOCK:
+            super().record_failed_notification()
+
+    def record_failed_handshake(self) -> None:
+        with _LOCK:
+            super().record_failed_handshake()
+
     # -- recording (writer, handshake and main threads) ---------------------
     def _append(self, key: str, value: Any) -> None:
         with _LOCK:

@@ -1,13 +1,14 @@
-"""A pass-through wrapper around the worker's NIXL agent.
+"""What a handshake asks of the worker's NIXL agent, measured (telemetry only).
 
-It observes the two agent calls a handshake is made of (`add_remote_agent` and
-`prep_xfer_dlist`) for the handshake record of the current thread, so we measure
-what NIXL was actually asked to do rather than trusting a flag, and every
-notification sent (heartbeats are counted from here). Every other attribute is
-bound straight to the real agent on first use: the transfer hot path
-(make_prepped_xfer, transfer, check_xfer_state) pays nothing. `get_new_notifs` is
-the writer thread's one call per pass: the worker sees the notifications there
-(contact, heartbeats) and does the writer's own due work (connector/glue/peers.py).
+`HandshakeCallObserver` wraps the worker's NIXL agent and observes the calls a
+handshake is made of (`add_remote_agent`, `prep_xfer_dlist`, `get_xfer_descs`) for the
+handshake record active on the calling thread (`ActiveRecord`): the phase each call
+belongs to and the descriptors NIXL was asked to prepare, so we report what NIXL was
+actually asked to do rather than trusting a flag. With no record active (every call
+outside a handshake) it passes straight through; every other attribute is bound to the
+real agent on first use, so the transfer hot path (make_prepped_xfer, transfer,
+check_xfer_state) pays nothing. It decides nothing: the data path never goes through
+it (notifications are routed by connector/glue/notifications.py).
 """
 
 from __future__ import annotations
@@ -51,16 +52,11 @@ def count_descriptors(descs: Any) -> int:
         return 0
 
 
-class NixlAgentProbe:
-    """Wraps a `nixl_agent`; see module docstring. `on_notif(message, ok, agent)` hears
-    of every notification sent (or failed) through it; `on_receive(notifs)` sees what
-    `get_new_notifs` returned ({agent: [messages]}) and returns what the caller gets.
-    Neither may raise."""
+class HandshakeCallObserver:
+    """Wraps a `nixl_agent`; see module docstring."""
 
-    def __init__(self, agent: Any, on_notif: Any = None, on_receive: Any = None):
+    def __init__(self, agent: Any):
         object.__setattr__(self, "_agent", agent)
-        object.__setattr__(self, "_on_notif", on_notif)
-        object.__setattr__(self, "_on_receive", on_receive)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._agent, name)
@@ -68,6 +64,15 @@ class NixlAgentProbe:
         # plain attribute hits, no __getattr__ round trip.
         object.__setattr__(self, name, value)
         return value
+
+    def interpose(self, factory: Any) -> Any:
+        """Put `factory(agent)` between this observer and the agent (the harness's fault
+        layer); returns it."""
+        inner = factory(self._agent)
+        for name in [n for n in self.__dict__ if n != "_agent"]:  # (cached bindings)
+            del self.__dict__[name]
+        object.__setattr__(self, "_agent", inner)
+        return inner
 
     def add_remote_agent(self, metadata: bytes) -> Any:
         record = ActiveRecord.get()
@@ -94,30 +99,6 @@ class NixlAgentProbe:
         except Exception:  # telemetry must never break a handshake
             logger.debug("descriptor counting failed", exc_info=True)
         return handle
-
-    def send_notif(self, remote_agent_name: Any, *args: Any, **kwargs: Any) -> Any:
-        message = kwargs["notif_msg"] if "notif_msg" in kwargs else (args[0] if args else None)
-        try:
-            result = self._agent.send_notif(remote_agent_name, *args, **kwargs)
-        except Exception:
-            if self._on_notif is not None:
-                self._on_notif(message, False, remote_agent_name)
-            raise
-        if self._on_notif is not None:
-            self._on_notif(message, True, remote_agent_name)
-        return result
-
-    def get_new_notifs(self) -> Any:
-        notifs = self._agent.get_new_notifs()
-        hook = self._on_receive
-        if hook is None:
-            return notifs
-        try:
-            return hook(notifs)
-        except Exception:
-            logger.warning("handling received NIXL notifications failed; passing them on",
-                           exc_info=True)
-            return notifs
 
     def get_xfer_descs(self, *args: Any, **kwargs: Any) -> Any:
         record = ActiveRecord.get()
