@@ -1,10 +1,10 @@
 """Telemetry cost per request: the connector's own telemetry work, by stage, in CPU microseconds.
 
 Drives the connector's real per-request telemetry code, the functions and objects the
-worker, scheduler and API server call (not copies): the worker's flow methods are called
-on an `ObservedPushWorker` built without vLLM's engine (`object.__new__`, then the
-worker's own `_init_state`: its push state and telemetry), so only what a request costs
-the connector is run. Per request, in engine steps of `--batch` requests:
+worker, scheduler and API server call (not copies): the flows' telemetry steps (declared
+in connector/glue/flow.py) are called on an `ObservedPushWorker` built without vLLM's
+engine (`ObservedPushWorker.without_engine`, its declared seam: its push state and
+telemetry), so only what a request costs the connector is run. Per request, in engine steps of `--batch` requests:
 
 - D `receive_start`: the receive's clock, its arrival and span (`ReceiveFlow._start_receives`
   without its ledger line, which is state, not telemetry);
@@ -12,11 +12,10 @@ the connector is run. Per request, in engine steps of `--batch` requests:
   (`_open_register_span`), then the PUSH_REG counted and the span ended (the tail of
   `_do_send_reg_notif`);
 - P `write_start`: P's request context kept (`_keep_request_contexts`), the write span
-  (`_open_write_span`), its handshake wait (`_note_handshake_wait`), the push counted
-  (`_count_push_once`);
+  (`_open_write_span`), its handshake wait (`_note_handshake_wait`), the push counted;
 - P `write_done`: the push's TTFT stages (`_record_push_stages`, from the lease ledger's
-  settle) and the worker's own step accounting (`_account_results`); D `landed`: the
-  step accounting of the finished receives (their wait for KV included);
+  settle) and the worker's telemetry of the step's results (`_observe_results`); D
+  `landed`: the same for the finished receives (their wait for KV included);
 - per step and engine: `stats` (the worker's `get_kv_connector_stats`: vLLM's
   clone-and-reset of our stats object), `serialise` (`to_dict` and vLLM's msgpack encode
   and decode of the step's `EngineCoreOutputs`, minus the same without our payload,
@@ -208,18 +207,11 @@ class _Clock:
 
 
 def _worker(role: str, tracer: Any) -> Any:
-    """An `ObservedPushWorker` with its push state and per-request telemetry (the worker's
-    own `_init_state`, with the default settings), and no vLLM engine, NIXL agent or threads."""
+    """An `ObservedPushWorker` with its push state and per-request telemetry, the default
+    settings, and no vLLM engine, NIXL agent or threads (its declared seam)."""
     from connector.glue.worker import ObservedPushWorker
 
-    w = object.__new__(ObservedPushWorker)
-    w.engine_id = f"telemetry-cost-{role}"
-    w._kv_role = role
-    w._lease_extension = 20  # (vLLM's: two thirds of the default 30 s lease)
-    w._init_state(lambda _key, default=None: default, tracer)
-    w._write_deferred_at = {}
-    w._init_leases()
-    return w
+    return ObservedPushWorker.without_engine(role, tracer=tracer, engine_id=f"telemetry-cost-{role}")
 
 
 def _vllm_tracer(mode: str) -> Any:
@@ -311,7 +303,7 @@ def child(mode: str, requests: int, batch: int) -> dict[str, Any]:
                           if p._spans.enabled else (None, True))
             if span is not None and kept:
                 p._note_handshake_wait(req_id, span)
-            p._count_push_once(p._pushing, req_id, StatKey.PUSHES_STARTED)
+            p.xfer_stats.record_push(StatKey.PUSHES_STARTED)  # (its first WRITE posted)
         t = _lap(clock, "write_start", t)
         now = time.perf_counter()  # P's push state: claimed, posted, settled (untimed)
         for req_id in ids:
@@ -320,13 +312,17 @@ def child(mode: str, requests: int, batch: int) -> dict[str, Any]:
             p._leases.begin_post(req_id, None, now)
             p._leases.posted(req_id, 1)
         settled = p._leases.settle(ids, set(), time.perf_counter())
+        completed = p._leases.ended(ids)  # (the ledgers learn what ended: untimed state)
+        failures = {req_id: d._receives.over(req_id) for req_id in ids}
         t = clock.now()
         for done in settled:  # P: WRITE done (its stages, `get_transfer_results`), then the step's
-            p._record_push_stages(done)  # accounting
-        ObservedPushWorker._account_results(p, KVConnectorTransferResults(finished_sending=set(ids)))
+            p._record_push_stages(done)  # telemetry of what ended
+        p._observe_results(KVConnectorTransferResults(finished_sending=set(ids)), completed, {})
         t = _lap(clock, "write_done", t)
-        ObservedPushWorker._account_results(d, KVConnectorTransferResults(finished_recving=set(ids)))
+        d._observe_results(KVConnectorTransferResults(finished_recving=set(ids)), (), failures)
         t = _lap(clock, "landed", t)
+        for req_id in ids:
+            p._leases.forget(req_id)
         payloads = []
         for worker in (p, d):  # per step and engine: worker stats, to the API server
             stats = ObservedPushWorker.get_kv_connector_stats(worker)

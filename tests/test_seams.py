@@ -1,9 +1,11 @@
 """The seams the layout promises, checked in the source and in the built wheel.
 
-- The worker's flows (connector/glue: handshakes, receive, push, leases, peers) use one
-  another only through what `connector.glue.flow.Flow` declares: no flow imports a
-  sibling flow module, and every `self.<name>` a flow uses is its own, declared in
-  `Flow`, or vLLM's.
+- The worker's flows (connector/glue: handshakes, receive, push, leases, peers) and the
+  worker that assembles them (worker.py) use one another only through what
+  `connector.glue.flow.Flow` declares: no flow imports a sibling flow module, and every
+  `self.<name>` a flow or the worker uses is its own, declared in `Flow`, or vLLM's.
+- The harness and the benchmarks use nothing of the worker's flows but what `Flow`
+  declares and the worker's own declared seams (`without_engine`, `observed_*`).
 - `Flow` declares nothing vLLM's worker defines (a declaration would shadow vLLM's).
 - The wheel a user installs holds the `connector` package only: no tests, harness,
   demo, benchmarks or dashboards, and nothing of them inside `connector/`.
@@ -85,6 +87,32 @@ def test_a_flow_uses_only_its_own_names_the_declared_ones_and_vllms(module: str)
     siblings = set().union(*(_defined_in(_tree(m)) for m in FLOWS if m != module))
     undeclared = sorted((_self_names(tree) - allowed) | ((_self_names(tree) & siblings) - allowed))
     assert undeclared == [], f"{module}.py uses names of another flow that Flow does not declare"
+
+
+def test_the_worker_uses_only_its_own_names_the_declared_ones_and_vllms() -> None:
+    tree = _tree("worker")
+    allowed = _defined_in(tree) | _declared() | _vllm_names()
+    flows = set().union(*(_defined_in(_tree(m)) for m in FLOWS))
+    undeclared = sorted((_self_names(tree) & flows) - allowed)
+    assert undeclared == [], "worker.py uses names of a flow that Flow does not declare"
+
+
+def _attribute_names(root: Path) -> set[str]:
+    names = set()
+    for path in root.rglob("*.py"):
+        names |= {node.attr for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Attribute)}
+    return names
+
+
+@pytest.mark.parametrize("tool", ["harness", "benchmarks"])
+def test_the_tools_use_only_the_declared_seams_of_the_flows(tool: str) -> None:
+    """A private name of a flow (its own helper, or its state) used from the harness or a
+    benchmark is a seam nobody declared: it breaks silently when the flow changes."""
+    flows = set().union(*(_defined_in(_tree(m)) for m in FLOWS)) | _defined_in(_tree("worker"))
+    private = {n for n in flows if n.startswith("_") and not n.startswith("__")}
+    used = _attribute_names(REPO / tool) & private
+    assert sorted(used - _declared() - _vllm_names()) == []
 
 
 def test_the_seam_check_sees_an_undeclared_use() -> None:

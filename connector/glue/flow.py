@@ -89,6 +89,23 @@ class Flow:
     _leases: LeaseLedger
     _receives: ReceiveLedger
 
+    # ------------------------------------- each flow's part of the worker's __init__
+    def _init_handshakes(self) -> None:
+        """HandshakeFlow: its pool and registration lock (before the state's owners)."""
+        raise NotImplementedError
+
+    def _init_push(self, extra: Any) -> None:
+        """PushFlow: its settings and writer-owned maps."""
+        raise NotImplementedError
+
+    def _init_leases(self) -> None:
+        """LeaseFlow: the lease gauges' clock and D's kept heartbeats."""
+        raise NotImplementedError
+
+    def _init_peers(self) -> None:
+        """PeerFlow: its timings, and P's idle-poll thread."""
+        raise NotImplementedError
+
     # ----------------------------------------------------------- HandshakeFlow offers
     # The pool handshakes (and D's liveness probes) run on; the lock every NIXL and
     # vLLM registration call of a remote engine takes (re-entrant).
@@ -194,6 +211,31 @@ class Flow:
 
     def _record_push_stages(self, settled: Any) -> None:
         """P (main): a completed push's TTFT stages into the stats (telemetry)."""
+        raise NotImplementedError
+
+    # --------------------------------------------- per-request telemetry steps
+    # Declared so that benchmarks/telemetry_cost.py drives exactly the code the flows run,
+    # one step at a time (each catches and counts its own faults where the flows call it).
+    def _open_receive_spans(self, registrations: dict[str, dict[str, Any]]) -> None:
+        """D (ReceiveFlow): the receive spans of the registrations handed over."""
+        raise NotImplementedError
+
+    def _open_register_span(self, req_id: str, reg_data: dict[str, Any]) -> Any:
+        """D (ReceiveFlow): the register span; its trace context into the PUSH_REG."""
+        raise NotImplementedError
+
+    def _open_write_span(self, request_id: str, local_block_ids: Any,
+                         registration_data: dict[str, Any]) -> tuple[Any, bool]:
+        """P (PushFlow): the write span, and whether it is kept for the main thread."""
+        raise NotImplementedError
+
+    def _note_handshake_wait(self, request_id: str, span: Any) -> None:
+        """P (PushFlow): how long the WRITE waited for its P->D handshake."""
+        raise NotImplementedError
+
+    def _observe_results(self, results: KVConnectorTransferResults, completed: Any,
+                         failures: dict[str, Any]) -> None:
+        """The worker (main): the step's ended pushes and receives, counted, spans ended."""
         raise NotImplementedError
 
     # --------------------------------------------------------------- PeerFlow offers
