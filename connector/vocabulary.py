@@ -213,6 +213,18 @@ class PeerReset(_Vocab):
     SILENT = "silent"  # its side channel did not answer a liveness probe
 
 
+class InternalStep(_Vocab):
+    """A step of the push's data path that raised (a defect of the connector, never a peer's
+    input): its request ended by the failure path, logged at ERROR with the traceback."""
+
+    PUSH_FAILURE = "push_failure"  # P: ending a failed push (the lease failed, its peer suspected)
+    REGISTRATION = "registration"  # D: what a PUSH_REG reached, into the receive ledger
+    NOTIFICATION = "notification"  # writer: a peer's notification handed to its owner
+    WRITER_PASS = "writer_pass"  # writer: its due work (owed PUSH_FAILs, unmatched PUSH_REGs)
+    STEP = "step"  # main: the step's push state (peers tended, receives timed out, results)
+    PEER_RESTART = "peer_restart"  # D: failing the receives of a prefill that restarted
+
+
 class LeaseRenewal(_Vocab):
     """What one request id named in a heartbeat matched on P (one count per P worker)."""
 
@@ -374,6 +386,7 @@ class Label:
     LIST = "list"
     REASON = "reason"
     FATE = "fate"
+    STEP = "step"
 
 
 # Allowed values per label (the dashboards and the label-cardinality test use these).
@@ -394,6 +407,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
         + [r.value for r in PeerReset] + [r.value for r in PushFailReason]
         + [r.value for r in ReceiveAbandon])),
     Label.FATE: tuple(f.value for f in LeaseFate),
+    Label.STEP: tuple(x.value for x in InternalStep),
 }
 
 
@@ -702,6 +716,15 @@ RECEIVES_ABANDONED = MetricSpec(
     "silent). Their blocks stay held until no WRITE into them can come, then the receive "
     "fails (receive_failures{reason=abandoned}) and vLLM frees or recomputes.",
 )
+INTERNAL_ERRORS = MetricSpec(
+    "vllm:nixl_internal_errors",
+    MetricKind.COUNTER,
+    (Label.STEP,),
+    "Steps of the push's data path that raised: a defect of the connector (never a peer's "
+    "input). The request it concerned ended by the failure path (a push failed and its "
+    "decoder told, a receive given up), never left waiting; the ERROR log line has the "
+    "traceback.",
+)
 PEERS_FORGOTTEN = MetricSpec(
     "vllm:nixl_peers_forgotten",
     MetricKind.COUNTER,
@@ -746,6 +769,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     WRITE_ABORTS,
     RECEIVES_ABANDONED,
     PEERS_FORGOTTEN,
+    INTERNAL_ERRORS,
 )
 
 # ------------------------------------------------ start-up guard (connector/glue/guard.py)
@@ -872,6 +896,7 @@ class StatKey:
     WRITE_ABORTS = "write_aborts"  # list of WriteAbort values
     RECEIVES_ABANDONED = "receives_abandoned"  # list of ReceiveAbandon values
     PEERS_FORGOTTEN = "peers_forgotten"  # list of direction values
+    INTERNAL_ERRORS = "internal_errors"  # list of InternalStep values
 
 
 OUR_STAT_KEYS = (
@@ -902,6 +927,7 @@ OUR_STAT_KEYS = (
     StatKey.WRITE_ABORTS,
     StatKey.RECEIVES_ABANDONED,
     StatKey.PEERS_FORGOTTEN,
+    StatKey.INTERNAL_ERRORS,
 )
 
 # What a fork decoder adds to its PUSH_REG and heartbeats (a stock prefill ignores it):

@@ -635,6 +635,7 @@ def _reliability() -> list[Cell]:
     in_flight, oldest = gauge(V.HANDSHAKES_IN_FLIGHT), gauge(V.HANDSHAKE_OLDEST_IN_FLIGHT)
     retries, rejected = total(V.HANDSHAKE_RETRIES), total(V.PUSH_REG_REJECTED)
     lost, sc_rejected = total(V.TELEMETRY_ERRORS), total(V.SIDE_CHANNEL_REJECTED)
+    internal = total(V.INTERNAL_ERRORS)
     return [
         Cell(timeseries("Handshakes in flight",
                         "Handshakes submitted and not finished (queued or running on the "
@@ -669,6 +670,12 @@ def _reliability() -> list[Cell]:
                         "is never affected; the first of each reason is logged at WARNING.",
                         [target(f"sum {by(Label.REASON)} (rate({sel(lost)}[{RATE}]))", "{{reason}}")],
                         "suffix: errors/s"), 4, 8),
+        Cell(count_stat("Internal errors",
+                        "Steps of the push's data path that raised, in the dashboard range: a defect "
+                        "of the connector (never a peer's input). Each request concerned ended by the "
+                        "failure path (a push failed and its decoder told, a receive given up), none "
+                        f"was left waiting; the ERROR log line has the traceback: {internal}. Alert "
+                        "NixlInternalError fires on any." + EXACT_NOTE, changed(internal)), 4, 8),
     ]
 
 

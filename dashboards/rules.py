@@ -134,10 +134,23 @@ def _peer_alerts() -> list[dict[str, Any]]:
 
 
 def _push_state_alerts() -> list[dict[str, Any]]:
-    """NIXL would not release a WRITE past its timeout: its lease's blocks stay held."""
+    """NIXL would not release a WRITE past its timeout: its lease's blocks stay held. A
+    step of the data path raised: a defect, its request failed by the failure path."""
     aborts = total(V.WRITE_ABORTS)
     failed = eq(Label.OUTCOME, V.WriteAbort.ABORT_FAILED.value)
+    internal = total(V.INTERNAL_ERRORS)
     return [
+        {"alert": "NixlInternalError",
+         "expr": f"sum {by(*INSTANCE, Label.STEP)} (increase({s(internal)}[{PEER_RESTART_WINDOW}]))\n> 0",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "The NIXL push connector on {{ $labels.instance }} hit an internal error",
+             "description": "{{ $value }} step(s) of the push's data path ({{ $labels.step }}) raised "
+                            f"on engine {{{{ $labels.instance }}}} in the last {PEER_RESTART_WINDOW}: a "
+                            "defect of the connector. The requests concerned ended by the failure "
+                            "path (recomputed or failed per kv_load_failure_policy), none was left "
+                            "waiting. The engine's ERROR log line \"Internal error\" has the traceback: "
+                            "please report it."}},
         {"alert": "NixlPushWriteAbortFailed",
          "expr": f"sum {by(*INSTANCE)} (increase({s(aborts, failed)}[{PEER_RESTART_WINDOW}]))\n> 0",
          "labels": {"severity": "warning"},

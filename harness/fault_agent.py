@@ -8,7 +8,9 @@ installed by a harness engine. On command it:
   the heal, so they read P's blocks then, as a stalled transfer does;
 - slows WRITEs down: those posted in a window start only a while later (a slow or
   congested link), so the blocks they read may be read long after the post;
-- stalls the writer thread (its next pass sleeps), the way a starved host does.
+- stalls the writer thread (its next pass sleeps), the way a starved host does;
+- refuses WRITEs at posting (`make_prepped_xfer` raises), as NIXL does for a WRITE it
+  cannot post.
 Delayed and held work is released only from vLLM's own threads, inside calls vLLM
 already makes to the agent (NIXL's agent is not thread-safe): a held notification at
 the next `send_notif` or `get_new_notifs`, a held WRITE at the next `check_xfer_state`.
@@ -47,6 +49,7 @@ class FaultCounts:
     lost_in_partition: int = 0
     writes_held: int = 0
     writer_stalls: int = 0
+    writes_refused: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
 
 
@@ -88,6 +91,21 @@ class FaultyAgent:
         with self._lock:
             object.__setattr__(self, "_slow_until", time.monotonic() + window_s)
             object.__setattr__(self, "_slow_by_s", delay_s)
+
+    def refuse_writes(self, n: int) -> None:
+        """The next `n` WRITEs are refused when posted (`make_prepped_xfer` raises)."""
+        with self._lock:
+            object.__setattr__(self, "_refuse_writes", n)
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            refuse = getattr(self, "_refuse_writes", 0)
+            if refuse:
+                object.__setattr__(self, "_refuse_writes", refuse - 1)
+                self.counts.writes_refused += 1
+        if refuse:
+            raise RuntimeError("injected: NIXL refused the WRITE")
+        return self._agent.make_prepped_xfer(*args, **kwargs)
 
     def stall_writer(self, seconds: float) -> None:
         with self._lock:

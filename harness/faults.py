@@ -9,9 +9,32 @@ command loop dispatches `cmd_<name>`.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from typing import Any
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a method `cmd_inject_fault` armed (a defect, on purpose)."""
+
+
+def arm(target: str, times: int) -> Callable[[], int]:
+    """Make `module.Class.method` (dotted) raise `InjectedFault` on its next `times`
+    calls, then behave again; returns a counter of the faults raised so far."""
+    module_name, cls_name, method = target.rsplit(".", 2)
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    original = cls.__dict__[method]
+    raised = [0]
+
+    def faulty(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if raised[0] < times:
+            raised[0] += 1
+            raise InjectedFault(f"injected into {target} ({raised[0]} of {times})")
+        return original(self, *args, **kwargs)
+
+    setattr(cls, method, faulty)
+    return lambda: raised[0]
 
 
 class FaultCommands:
@@ -19,7 +42,24 @@ class FaultCommands:
 
     worker: Any
     pending_meta: Any
+    fault_agent: Any
     cmd_register: Callable[..., None]
+    _armed: dict[str, Callable[[], int]]
+
+    def cmd_inject_fault(self, target: str, times: int = 1) -> None:
+        """The next `times` calls of `target` (`module.Class.method`, a step of the
+        connector's data path) raise, as a defect in it would."""
+        if not hasattr(self, "_armed"):
+            self._armed = {}
+        self._armed[target] = arm(target, times)
+
+    def cmd_faults_raised(self) -> dict[str, int]:
+        return {target: count() for target, count in getattr(self, "_armed", {}).items()}
+
+    def cmd_refuse_writes(self, n: int) -> None:
+        """NIXL refuses the next `n` WRITEs at posting (`make_prepped_xfer` raises)."""
+        assert self.fault_agent is not None, "engine started without faults_seed"
+        self.fault_agent.refuse_writes(n)
 
     def cmd_register_as(self, req_id: str, block_ids: list[int], prefill: dict[str, Any],
                         remote_request_id: str, overrides: dict[str, Any]) -> None:

@@ -446,7 +446,7 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
                       "NixlHandshakeStuck", "NixlPushRegRejected",
                       "NixlKvLeaseExpiredWhileWanted", "NixlHeartbeatsMatchNothing", "NixlPeerRestarted",
                       "NixlRemotePrefillWaitingLong", "NixlRouterLegErrorRatioHigh",
-                      "NixlPushWriteAbortFailed", "NixlKvWaitShareRising"}
+                      "NixlPushWriteAbortFailed", "NixlKvWaitShareRising", "NixlInternalError"}
     assert firing == alerts and quiet == alerts
 
 

@@ -465,10 +465,12 @@ def test_the_router_hands_each_kind_to_its_owner_and_a_fault_costs_one_notificat
     router = NotificationRouter(Agent(), Owners(
         contact=lambda agent, now: seen.append(("contact", agent)), heartbeat=heartbeat,
         push_fail=push_fail, push_fail_lost=lambda m: seen.append(("lost", m)),
-        completion=completion, after_pass=lambda: seen.append(("pass", None))))
+        completion=completion, after_pass=lambda: seen.append(("pass", None)),
+        fault=lambda step, what: seen.append(("fault", step.value))))
     forwarded = router.get_new_notifs()
     assert forwarded == {"a1": [b"PUSH_REG:x", b"d-1:1"], "a2": [b"d-2:1"]}
-    assert seen == [("contact", "a1"), ("hb", b"HB:r1"), ("lost", fail), ("done", b"d-1:1"),
-                    ("contact", "a2"), ("pass", None)]
+    assert seen == [("contact", "a1"), ("hb", b"HB:r1"), ("fault", "notification"), ("lost", fail),
+                    ("done", b"d-1:1"), ("contact", "a2"), ("fault", "notification"),
+                    ("fault", "notification"), ("pass", None)]
 
 

@@ -23,7 +23,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-EXTRA_CONFIG_KEY = "kv_transfer_cpu_affinity"
+from connector.glue.settings import KV_TRANSFER_CPU_AFFINITY
+
+EXTRA_CONFIG_KEY = KV_TRANSFER_CPU_AFFINITY.key
 CONTAIN = "contain"
 UPSTREAM = "upstream"
 POLICIES = (CONTAIN, UPSTREAM)

@@ -35,7 +35,14 @@ if TYPE_CHECKING:
     from connector.telemetry.span_table import SpanTable
     from connector.telemetry.stats import ObservedNixlStats
     from connector.telemetry.tracing import SpanEmitter
-    from connector.vocabulary import PushFailOutcome, PushFailReason, ReceiveAbandon, ReceiveFailure, Trigger
+    from connector.vocabulary import (
+        InternalStep,
+        PushFailOutcome,
+        PushFailReason,
+        ReceiveAbandon,
+        ReceiveFailure,
+        Trigger,
+    )
 
 
 # Work that could not use a connection, parked in the connection table until it is
@@ -104,6 +111,12 @@ class Flow:
 
     def _init_peers(self) -> None:
         """PeerFlow: its timings, and P's idle-poll thread."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the worker
+    def _internal_error(self, step: InternalStep, what: str) -> None:
+        """A data-path step raised (call it in the `except`): logged at ERROR with the
+        traceback and counted; the caller then ends the request by the failure path."""
         raise NotImplementedError
 
     # ----------------------------------------------------------- HandshakeFlow offers
@@ -246,6 +259,10 @@ class Flow:
 
     def _peer_restarted(self, engine_id: str, old_agents: frozenset[str]) -> None:
         """A handshake found a new agent where a dropped one was: its receives fail."""
+        raise NotImplementedError
+
+    def _peer_restart_failsafe(self, engine_id: str) -> None:
+        """Failing a restarted peer's receives raised: give them up instead."""
         raise NotImplementedError
 
     def _release_parked(self, items: list[Any]) -> None:

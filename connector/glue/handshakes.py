@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 )
 from vllm.platforms import current_platform
 
+from connector.glue import settings
 from connector.glue.compat import accepted, bind_handshake_tail
 from connector.glue.flow import Flow
 from connector.glue.side_channel import SideChannelClient
@@ -63,6 +64,7 @@ from connector.vocabulary import (
     Attr,
     Direction,
     ErrorType,
+    InternalStep,
     Phase,
     SpanEvent,
     TelemetryError,
@@ -71,10 +73,6 @@ from connector.vocabulary import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HANDSHAKE_TIMEOUT_MS = 5000
-# Handshakes one worker runs at once (each to a different remote engine). Each mostly
-# waits on its peer's side channel, so a thread per new peer costs little.
-DEFAULT_HANDSHAKE_CONCURRENCY = 16
 
 
 @dataclass
@@ -111,8 +109,8 @@ class HandshakeFlow(Flow):
 
     def _init_handshakes(self) -> None:
         extra = self.kv_transfer_config.get_from_extra_config
-        self._handshake_timeout_ms = int(extra("handshake_timeout_ms", DEFAULT_HANDSHAKE_TIMEOUT_MS))
-        concurrency = int(extra("handshake_concurrency", DEFAULT_HANDSHAKE_CONCURRENCY))
+        self._handshake_timeout_ms = int(settings.read(extra, settings.HANDSHAKE_TIMEOUT_MS))
+        concurrency = int(settings.read(extra, settings.HANDSHAKE_CONCURRENCY))
         if concurrency < 1:
             raise ValueError(f"handshake_concurrency must be >= 1, got {concurrency}")
         self._handshake_pool = ThreadPoolExecutor(concurrency, thread_name_prefix="nixl-handshake")
@@ -277,7 +275,13 @@ class HandshakeFlow(Flow):
                                                   time.perf_counter())
             if outcome.restarted:
                 record.peer_restarted = True
-                self._peer_restarted(eid, outcome.old_agents)
+                try:
+                    self._peer_restarted(eid, outcome.old_agents)
+                except Exception:
+                    self._internal_error(InternalStep.PEER_RESTART,
+                                         f"failing the receives of restarted engine {peer_str(eid)} "
+                                         "(they are given up)")
+                    self._peer_restart_failsafe(eid)
             self._release_parked(outcome.parked)
         self._publish_handshake(record)
         # Last: the callbacks on this future (vLLM's and ours) use the connection.

@@ -23,9 +23,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from connector.glue.settings import NIXL_PROGRESS_DELAY_US
+
 logger = logging.getLogger(__name__)
 
-EXTRA_CONFIG_KEY = "nixl_progress_delay_us"
+EXTRA_CONFIG_KEY = NIXL_PROGRESS_DELAY_US.key
 # More than a second between polls would stall every transfer; surely a unit mistake.
 MAX_DELAY_US = 1_000_000
 _LOCK = threading.RLock()

@@ -21,8 +21,9 @@ worker's `nixl_wrapper`, where that call lands, and routes the batch before vLLM
 After each read (whether or not anything arrived) the router runs the writer's own due
 work (`after_pass`: P sends the PUSH_FAILs owed and answers PUSH_REGs no request
 matched). A handler that raises costs its one notification, never the batch: the
-failure is logged at ERROR with what was lost, a PUSH_FAIL's receive is given up (it
-fails at its safe point, counted), and a completion still reaches vLLM.
+failure is logged at ERROR with what was lost and counted (`internal_errors`), a
+PUSH_FAIL's receive is given up (it fails at its safe point), and a completion still
+reaches vLLM.
 Every other attribute of the agent is bound straight through on first use.
 """
 
@@ -36,7 +37,7 @@ from enum import Enum
 from typing import Any
 
 from connector.glue.wire import HEARTBEAT_PREFIX, PUSH_REG_PREFIX
-from connector.vocabulary import PUSH_FAIL_NOTIF_PREFIX
+from connector.vocabulary import PUSH_FAIL_NOTIF_PREFIX, InternalStep
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Owners:
     push_fail_lost: Callable[[bytes], None]
     completion: Handler | None
     after_pass: Callable[[], None]
+    fault: Callable[[InternalStep, str], None]  # log and count (the worker's `_internal_error`)
 
 
 class NotificationRouter:
@@ -106,8 +108,8 @@ class NotificationRouter:
         try:
             self._owners.after_pass()
         except Exception:
-            logger.error("The writer's due work (owed PUSH_FAILs, unmatched PUSH_REGs) failed "
-                         "this pass; it is tried again on the next", exc_info=True)
+            self._owners.fault(InternalStep.WRITER_PASS, "the writer's due work (owed PUSH_FAILs, "
+                               "unmatched PUSH_REGs; tried again next pass)")
         return notifs
 
     def route(self, notifs: dict[Any, list[bytes]]) -> dict[Any, list[bytes]]:
@@ -137,11 +139,11 @@ class NotificationRouter:
         return notifs
 
     def _lost(self, kind: Kind, agent: Any, message: bytes) -> None:
-        logger.error("Handling a %s notification from NIXL agent %r failed (%d bytes, starts %r)%s",
-                     kind.value, agent, len(message), message[:48], {
-                         Kind.HEARTBEAT: ": the leases it names were not renewed by it",
-                         Kind.PUSH_FAIL: ": its receive is given up (it fails at its safe point)",
-                         Kind.COMPLETION: ": vLLM still counts it"}[kind], exc_info=True)
+        self._owners.fault(InternalStep.NOTIFICATION, "handling a {} notification from NIXL agent {!r} "
+                           "({} bytes, starts {!r}){}".format(kind.value, agent, len(message), message[:48], {
+                               Kind.HEARTBEAT: ": the leases it names were not renewed by it",
+                               Kind.PUSH_FAIL: ": its receive is given up (it fails at its safe point)",
+                               Kind.COMPLETION: ": vLLM still counts it"}[kind]))
         if kind is Kind.PUSH_FAIL:
             try:
                 self._owners.push_fail_lost(message)

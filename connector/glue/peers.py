@@ -37,6 +37,7 @@ import threading
 import time
 from typing import Any
 
+from connector.glue import settings
 from connector.glue.flow import Flow, ParkedPush, ParkedPushFail, ParkedRegistration
 from connector.glue.side_channel import SideChannelClient
 from connector.state import agent_name
@@ -69,11 +70,11 @@ class PeerFlow(Flow):
 
     def _init_peers(self) -> None:
         extra = self.kv_transfer_config.get_from_extra_config
-        lease = float(extra("kv_lease_duration", 30))
+        lease = settings.lease_s(extra)
         # D gives up receives bound to a dropped P silent this long.
         self._unreachable_after_s = lease + max(1.0, lease // 6)
         self._probe_quiet_s = max(1.0, lease / 3)
-        self._resend_after_s = float(extra("push_reg_resend_s", max(1.0, lease / 2)))
+        self._resend_after_s = settings.push_reg_resend_s(extra)
         self._tended_at = 0.0
         self._idle_stop = threading.Event()
         if self._kv_role != "kv_consumer":
@@ -94,6 +95,16 @@ class PeerFlow(Flow):
                            "was on engine %s's previous NIXL agent)", req_id, peer_str(engine_id))
             self._fail_receive(req_id, ReceiveFailure.PEER_RESTARTED)
         self._safe(self.xfer_stats.record_peer_restart, self._direction)
+
+    def _peer_restart_failsafe(self, engine_id: str) -> None:
+        """Failing a restarted peer's receives raised: give up every receive still waiting
+        on it instead (each fails at its safe point, or lands first)."""
+        try:
+            for req_id in self._receives.waiting_on(engine_id):
+                self._give_up_receive(req_id, ReceiveAbandon.INTERNAL_ERROR)
+        except Exception:
+            logger.error("Giving up the receives of restarted engine %s failed too; they fail at "
+                         "their registration timeout", peer_str(engine_id), exc_info=True)
 
     def _release_parked(self, items: list[Any]) -> None:
         """Work parked for a new connection goes again (any thread: queues and the lease

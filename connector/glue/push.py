@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
+from connector.glue import settings
 from connector.glue.flow import Flow, ParkedPush, ParkedPushFail
 from connector.glue.wire import (
     count_blocks,
@@ -98,12 +99,12 @@ class PushFlow(Flow):
 
     def _init_push(self, extra: Any) -> None:
         # P: start the P->D handshake when D's PUSH_REG arrives (see below).
-        self._early_p_to_d = str(extra("early_p_to_d_handshake", True)).lower() not in ("false", "0")
+        self._early_p_to_d = str(settings.read(extra, settings.EARLY_P_TO_D_HANDSHAKE)).lower() not in (
+            "false", "0")
         self._write_deferred_at: dict[str, float] = {}
         # Writer-owned: D request id -> when its PUSH_REG was stored unmatched.
         self._pending_since: dict[str, float] = {}
-        self._unmatched_after_s = float(extra("unmatched_push_reg_timeout_s",
-                                              extra("kv_lease_duration", 30)))
+        self._unmatched_after_s = settings.unmatched_push_reg_timeout_s(extra)
         # Writer-owned: request id -> the WRITE handles vLLM's `_xfer_blocks_for_req`
         # got so far (`_xfer_blocks` is called per rank inside it, on the writer only).
         self._posted_handles: dict[str, list[int]] = {}

@@ -42,6 +42,7 @@ from connector.vocabulary import (
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_REGISTER,
     Attr,
+    InternalStep,
     LeaseFate,
     PeerReset,
     PushFailReason,
@@ -184,11 +185,16 @@ class ReceiveFlow(Flow):
                     self.xfer_stats.record_failed_notification()  # (as vLLM counts it)
                 else:
                     reached.add(agent_name(agent))
-        fail_now = self._receives.sent(req_id, reg_data, frozenset(reached), time.perf_counter())
-        if fail_now:  # given up meanwhile, and P never got it: nothing can land
-            self._failed_recv_reqs.put(req_id)
-        elif not reached:
-            self._registration_undelivered(req_id, reg_data, engine_id, targets)
+        try:
+            fail_now = self._receives.sent(req_id, reg_data, frozenset(reached), time.perf_counter())
+            if fail_now:  # given up meanwhile, and P never got it: nothing can land
+                self._failed_recv_reqs.put(req_id)
+            elif not reached:
+                self._registration_undelivered(req_id, reg_data, engine_id, targets)
+        except Exception:
+            self._internal_error(InternalStep.REGISTRATION,
+                                 f"noting where request {req_id}'s PUSH_REG went (it is given up)")
+            self._give_up_receive(req_id, ReceiveAbandon.INTERNAL_ERROR)
         try:
             self._count_registration(req_id, len(targets.agents), failed)
         except Exception as exc:
@@ -210,10 +216,13 @@ class ReceiveFlow(Flow):
             self._push_writer_wake.set()
 
     def _count_registration(self, req_id: str, num_agents: int, failed: int) -> None:
-        # (A failure to reach an agent is counted where it is logged, `_log_failure`.)
+        """One PUSH_REG notification counted per agent it went to (sent or failed); one
+        failed when there was no agent to send it to."""
         if not num_agents:
             self.xfer_stats.record_push_reg_notif(sent=False)
-        elif num_agents > failed:
+        if failed:
+            self.xfer_stats.record_push_reg_notif(sent=False, count=failed)
+        if num_agents > failed:
             self.xfer_stats.record_push_reg_notif(sent=True, count=num_agents - failed)
         if not self._spans.enabled:
             return

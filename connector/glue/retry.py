@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from connector.glue import settings
 from connector.vocabulary import ErrorType
 
 TRANSIENT = frozenset({ErrorType.TIMEOUT, ErrorType.UNREACHABLE})
@@ -22,17 +23,17 @@ TRANSIENT = frozenset({ErrorType.TIMEOUT, ErrorType.UNREACHABLE})
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    retries: int = 3  # attempts after the first
-    backoff_s: float = 0.5  # first delay; doubles each time
-    budget_s: float = 20.0  # no retry starts after this much time since submission
+    retries: int = settings.HANDSHAKE_RETRIES.default  # attempts after the first
+    backoff_s: float = settings.HANDSHAKE_RETRY_BACKOFF_S.default  # first delay; doubles each time
+    budget_s: float = settings.HANDSHAKE_RETRY_BUDGET_S.default  # no retry starts later than this
 
     @classmethod
     def from_extra_config(cls, get: Any) -> RetryPolicy:
         """From `kv_connector_extra_config` (`handshake_retries`, ..._backoff_s, ..._budget_s)."""
         policy = cls(
-            retries=int(get("handshake_retries", cls.retries)),
-            backoff_s=float(get("handshake_retry_backoff_s", cls.backoff_s)),
-            budget_s=float(get("handshake_retry_budget_s", cls.budget_s)),
+            retries=int(settings.read(get, settings.HANDSHAKE_RETRIES)),
+            backoff_s=float(settings.read(get, settings.HANDSHAKE_RETRY_BACKOFF_S)),
+            budget_s=float(settings.read(get, settings.HANDSHAKE_RETRY_BUDGET_S)),
         )
         if policy.retries < 0 or policy.backoff_s < 0 or policy.budget_s < 0:
             raise ValueError(f"handshake retry settings must be >= 0, got {policy}")

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
+from connector.glue import settings
 from connector.glue.compat import RemoteAgentTable
 from connector.glue.cpu_affinity import EXTRA_CONFIG_KEY as AFFINITY_KEY
 from connector.glue.guard import check_worker
@@ -58,6 +59,7 @@ from connector.vocabulary import (
     METADATA_GIVEN_UP_ATTR,
     METADATA_TRACE_ATTR,
     Attr,
+    InternalStep,
     PeerReset,
     ReceiveAbandon,
     ReceiveFailure,
@@ -75,26 +77,10 @@ logger = logging.getLogger(__name__)
 _PUSH_FAILURES = frozenset(
     {"push_handshake_failed", "transfer_setup_failed", "transfer_failed", "transfer_exception"}
 )
-# vLLM's default for the D-side registration watchdog (`push_registration_timeout`,
-# itself defaulting to `decoder_kv_blocks_ttl`).
-DEFAULT_REGISTRATION_TIMEOUT_S = 480.0
-# A WRITE that has not settled this long after its PUSH_REG matched is aborted.
-DEFAULT_WRITE_TIMEOUT_S = 30.0
-# Slack for clock offsets and engine steps in the lease arithmetic (s).
-DEFAULT_LEASE_MARGIN_S = 2.0
-# A dropped peer silent this long is forgotten.
-DEFAULT_FORGET_AFTER_S = 600.0
-__all__ = ["ObservedPushWorker", "hold_bound_s", "prompt_digest"]
+__all__ = ["ObservedPushWorker", "prompt_digest"]
 # (Plain strings: an enum's `.value` is a Python-level property, read per request.)
 _SUCCESS, _FAILURE, _EXPIRED = (o.value for o in (ReceiveOutcome.SUCCESS, ReceiveOutcome.FAILURE,
                                                   ReceiveOutcome.EXPIRED))
-
-
-def hold_bound_s(lease_s: float, write_timeout_s: float, margin_s: float) -> float:
-    """How long after a decoder last asked for its KV a WRITE may still land in its
-    blocks: P posts none later than a lease after that ask, and aborts any older than
-    the WRITE timeout; two margins cover clock offsets and engine steps."""
-    return lease_s + write_timeout_s + 2 * margin_s
 
 
 class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFlow,
@@ -137,7 +123,8 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
             contact=self._connections.heard_from, heartbeat=self._renew_from,
             push_fail=self._push_fail_from, push_fail_lost=self._push_fail_lost,
             completion=self._write_landed_from if self._kv_role != "kv_producer" else None,
-            after_pass=self._writer_due_work if self._kv_role != "kv_consumer" else _nothing))
+            after_pass=self._writer_due_work if self._kv_role != "kv_consumer" else _nothing,
+            fault=self._internal_error))
 
     @classmethod
     def without_engine(cls, kv_role: str, *, extra: dict[str, Any] | None = None, tracer: Any = None,
@@ -168,19 +155,18 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         `_lease_extension`."""
         self.xfer_stats = ObservedNixlStats()
         # The push state's owners (connector/state; docs/architecture.md "Push state").
-        lease_s = float(extra("kv_lease_duration", 30))
-        write_timeout_s = float(extra("push_write_timeout_s", DEFAULT_WRITE_TIMEOUT_S))
-        margin_s = float(extra("push_lease_margin_s", DEFAULT_LEASE_MARGIN_S))
-        registration_timeout_s = float(extra("push_registration_timeout",
-                                             extra("decoder_kv_blocks_ttl", DEFAULT_REGISTRATION_TIMEOUT_S)))
+        lease_s = settings.lease_s(extra)
+        write_timeout_s = float(settings.read(extra, settings.PUSH_WRITE_TIMEOUT_S))
+        margin_s = float(settings.read(extra, settings.PUSH_LEASE_MARGIN_S))
+        registration_timeout_s = settings.registration_timeout_s(extra)
         self._leases = LeaseLedger(lease_s=lease_s, extension_s=float(self._lease_extension),
                                    write_timeout_s=write_timeout_s, margin_s=margin_s,
                                    base_of=get_base_request_id)
-        self._receives = ReceiveLedger(hold_s=hold_bound_s(lease_s, write_timeout_s, margin_s),
+        self._receives = ReceiveLedger(hold_s=settings.hold_bound_s(lease_s, write_timeout_s, margin_s),
                                        timeout_s=registration_timeout_s)
         # The remote engines: vLLM's lock and maps of them are the table's (see there).
         self._connections = ConnectionTable(
-            forget_after_s=float(extra("peer_forget_after_s", DEFAULT_FORGET_AFTER_S)),
+            forget_after_s=float(settings.read(extra, settings.PEER_FORGET_AFTER_S)),
             lock=getattr(self, "_handshake_lock", None),
             remote_agents=getattr(self, "_remote_agents", None),
             futures=getattr(self, "_handshake_futures", None),
@@ -280,27 +266,38 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         vLLM's step); vLLM's step, whose reaper releases what the lease ledger released
         and which polls the WRITEs; then WRITEs settled, overdue ones aborted, the
         ledgers told what ended; then the telemetry of it all."""
-        if self._tend_due():
-            self._tend_peers()  # before vLLM reports the receives it fails
-        now = time.perf_counter()
-        for req_id in self._receives.timed_out(now):
-            self._give_up_receive(req_id, ReceiveAbandon.TIMED_OUT)
+        try:
+            if self._tend_due():
+                self._tend_peers()  # before vLLM reports the receives it fails
+            for req_id in self._receives.timed_out(time.perf_counter()):
+                self._give_up_receive(req_id, ReceiveAbandon.TIMED_OUT)
+        except Exception:
+            self._internal_error(InternalStep.STEP, "tending peers and receives (tried again next step)")
         results = super().get_transfer_results()
-        if self._leases.writing or results.finished_sending:
-            self._settle_writes(results)
-        if len(self._leases):
-            # After vLLM polled this step's WRITEs: a handle still open is not done.
-            self._abort_overdue_writes()
-        completed = self._leases_ended(results.finished_sending) if results.finished_sending else ()
-        failures = {req_id: self._receives.over(req_id) for req_id in results.finished_recving}
+        completed, failures = (), {}
+        try:
+            if self._leases.writing or results.finished_sending:
+                self._settle_writes(results)
+            if len(self._leases):
+                # After vLLM polled this step's WRITEs: a handle still open is not done.
+                self._abort_overdue_writes()
+            if results.finished_sending:
+                completed = self._leases_ended(results.finished_sending)
+            failures = {req_id: self._receives.over(req_id) for req_id in results.finished_recving}
+        except Exception:
+            # (vLLM still gets every result: a request it reports is over whatever our books say.)
+            self._internal_error(InternalStep.STEP, "the step's WRITEs and results in the ledgers")
         clock = self._receive_clock
         if results.finished_sending or failures or (clock.waiting and time.monotonic() >= clock.next_expiry):
             try:
                 self._observe_results(results, completed, failures)
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
-        for req_id in results.finished_sending:
-            self._leases.forget(req_id)  # (after its telemetry read the lease's history)
+        try:
+            for req_id in results.finished_sending:
+                self._leases.forget(req_id)  # (after its telemetry read the lease's history)
+        except Exception:
+            self._internal_error(InternalStep.STEP, "forgetting the step's ended leases")
         return results
 
     # ------------------------------------------------------------- failures
@@ -337,13 +334,23 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
             if failure_type != "push_handshake_failed":  # (the WRITE itself failed)
                 self._suspect_write_target(req_id, why)
         except Exception:
-            logger.error("Suspecting the connection of request %s's failed WRITE failed; the push "
-                         "still fails", req_id, exc_info=True)
+            self._internal_error(InternalStep.PUSH_FAILURE,
+                                 f"suspecting the connection of request {req_id}'s failed WRITE (the push "
+                                 "still fails)")
         try:
             self._push_failed(req_id, failure_type, str(why))
         except Exception:
-            logger.error("Failing the push of request %s failed; push_write_timeout_s ends it",
-                         req_id, exc_info=True)
+            self._internal_error(InternalStep.PUSH_FAILURE,
+                                 f"failing the push of request {req_id} (push_write_timeout_s ends it)")
+
+    def _internal_error(self, step: InternalStep, what: str) -> None:
+        logger.error("Internal error (%s): %s raised; the request ends by the failure path. This is "
+                     "a defect of the connector: please report it with this traceback", step.value, what,
+                     exc_info=True)
+        try:
+            self.xfer_stats.record_internal_error(step.value)
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
 
     # ------------------------------------------------------------- telemetry
     def _observe_results(self, results: KVConnectorTransferResults, completed: Any,

@@ -33,12 +33,25 @@ from collections import OrderedDict, deque
 from collections.abc import MutableMapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from connector.state import agent_name
 from connector.vocabulary import PeerReset
 
 MAX_PEERS = 4096
+
+
+class ConnState(StrEnum):
+    """Where a remote engine's connection stands (docs/architecture.md, "A connection")."""
+
+    NONE = "none"  # not connected, nothing under way (never, or evicted)
+    CONNECTING = "connecting"  # a handshake to it is under way, no connection yet
+    NOTIF_ONLY = "notif_only"  # connected notification-only
+    FULL = "full"  # connected with its descriptors (WRITEs can go)
+    UPGRADING = "upgrading"  # connected notification-only, a full handshake under way
+    DROPPING = "dropping"  # vLLM's cleanup of it is under way (nothing is sent to it)
+    DROPPED = "dropped"  # released; its old agents kept to tell a restart
 
 
 @dataclass(slots=True)
@@ -164,6 +177,26 @@ class ConnectionTable:
                     "pending": sum(1 for p in self._peers.values() if p.pending is not None),
                     "suspects": self._suspects, "dropped": self._dropped,
                     "parked": sum(len(p.parked) for p in self._peers.values())}
+
+    def state_of(self, engine_id: str) -> ConnState:
+        with self._lock:
+            peer = self._peers.get(engine_id)
+            if peer is None:
+                return ConnState.NONE
+            if peer.ranks:
+                if peer.dropping:
+                    return ConnState.DROPPING
+                if peer.notif_only:
+                    return ConnState.UPGRADING if peer.pending is not None else ConnState.NOTIF_ONLY
+                return ConnState.FULL
+            if peer.pending is not None:
+                return ConnState.CONNECTING
+            return ConnState.DROPPED if peer.dropped_at is not None else ConnState.NONE
+
+    def is_suspect(self, engine_id: str) -> bool:
+        with self._lock:
+            peer = self._peers.get(engine_id)
+            return peer is not None and peer.suspect is not None
 
     def is_connected(self, engine_id: str, *, full: bool = False) -> bool:
         with self._lock:

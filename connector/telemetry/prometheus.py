@@ -136,6 +136,8 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._child(V.RECEIVES_ABANDONED, idx, why.value)
             for direction in V.Direction:
                 self._child(V.PEERS_FORGOTTEN, idx, direction.value)
+            for step in V.InternalStep:
+                self._child(V.INTERNAL_ERRORS, idx, step.value)
         self._init_degraded_gauge(list(labelnames))
 
     # -- start-up guard verdict (connector/glue/guard.py) ----------------------------
@@ -362,6 +364,7 @@ _LABELLED = (
     (StatKey.WRITE_ABORTS, V.WRITE_ABORTS, V.WriteAbort),
     (StatKey.RECEIVES_ABANDONED, V.RECEIVES_ABANDONED, V.ReceiveAbandon),
     (StatKey.PEERS_FORGOTTEN, V.PEERS_FORGOTTEN, V.Direction),
+    (StatKey.INTERNAL_ERRORS, V.INTERNAL_ERRORS, V.InternalStep),
 )
 # A receive's outcome, validated by one lookup (one record per request).
 _RECEIVE_OUTCOMES = {outcome.value: outcome.value for outcome in V.ReceiveOutcome}

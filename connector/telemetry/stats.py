@@ -171,6 +171,9 @@ class ObservedNixlStats(NixlKVConnectorStats):
     def record_peer_forgotten(self, direction: str) -> None:
         self._append(StatKey.PEERS_FORGOTTEN, direction)
 
+    def record_internal_error(self, step: str) -> None:
+        self._append(StatKey.INTERNAL_ERRORS, step)
+
     def set_remote_prefills(self, waiting: int, oldest_wait_s: float) -> None:
         """D's scheduler: requests waiting for a remote prefill now (a snapshot)."""
         with _LOCK:
