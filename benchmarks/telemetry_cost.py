@@ -4,7 +4,8 @@ Drives the connector's real per-request telemetry code, the functions and object
 worker, scheduler and API server call (not copies): the flows' telemetry steps (declared
 in connector/glue/flow.py) are called on an `ObservedPushWorker` built without vLLM's
 engine (`ObservedPushWorker.without_engine`, its declared seam: its push state and
-telemetry), so only what a request costs the connector is run. Per request, in engine steps of `--batch` requests:
+telemetry), so only what a request costs the connector is run. Per request, in engine
+steps of `--batch` requests:
 
 - D `receive_start`: the receive's clock, its arrival and span (`ReceiveFlow._start_receives`
   without its ledger line, which is state, not telemetry);
