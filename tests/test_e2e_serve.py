@@ -523,6 +523,25 @@ def test_prefill_restart_fails_the_caught_request_fast_and_new_requests_work(sta
     assert external_tokens(stack) - external == sum(len(o.prompt) for o in after)
 
 
+def test_requests_sent_right_after_a_prefill_restart_all_get_their_kv(stack: Stack) -> None:
+    """P's host dies while D is idle and comes back with the same engine id and address;
+    requests arrive at once, before D noticed anything: their PUSH_REGs meet P's dead
+    agent (or none, while D drops it) and go again with the new connection. All complete
+    with their KV over NIXL: no receive failed, so no `kv_load_failure_policy` was asked
+    (with vLLM's default, `fail`, a failed one is an HTTP 500)."""
+    failures = count(stack.decode, RECEIVE_FAILURES.name + "_total")
+    resets = count(stack.decode, PEER_RESETS.name + "_total")
+    new_p = stack.restart_prefill()
+    external = external_tokens(stack)
+    prompts = drive.make_prompts(3, seed=71)
+    outs = drive.run(stack.router.url, new_p.url, prompts, prefix="e2e-right-after", max_tokens=MAX_TOKENS,
+                     concurrency=3)
+    assert all(o.ok for o in outs), [o.error or "differs from the reference" for o in outs]
+    assert external_tokens(stack) - external == sum(len(p) for p in prompts)  # (not recomputed)
+    assert count(stack.decode, RECEIVE_FAILURES.name + "_total") == failures
+    assert count(stack.decode, PEER_RESETS.name + "_total") > resets  # (D did meet the dead agent)
+
+
 def test_every_process_started_is_gone_after_close(stack: Stack) -> None:
     pids = [p.pid for p in stack.processes] + [stack.prometheus_pid]
     assert all(pids)

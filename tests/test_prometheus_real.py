@@ -322,6 +322,7 @@ CORE = {
     "Peers that restarted", "Peer connections dropped/s", "Receives failed/s by reason (D)",
     # Push state: counters and gauges created at 0 at start-up.
     "Receives given up/s (D)", "PUSH_FAILs owed/s (P)", "WRITEs aborted/s (P)", "Peers forgotten",
+    "Internal errors",
     # Where TTFT goes: the connector's own stages.
     "D: wait for KV p50 / p95 / p99 by outcome", "P: prefill done -> WRITE posted p50 / p95 / p99",
     "P: PUSH_REG matched -> WRITE done p50 / p95 / p99",

@@ -212,8 +212,8 @@ def test_no_write_is_posted_to_a_connection_being_dropped_nor_dropped_under_a_wr
     assert conns.begin_drop("d1") is not None and leases.posting_to("d1")
     conns.cancel_drop("d1")
     assert conns.writable("d1", epoch)
-    assert leases.posted(p_id("a"), 1)  # (its push counted started, once)
-    assert not leases.posted(p_id("a"), 1)
+    assert leases.wrote(p_id("a")) and not leases.wrote(p_id("a"))  # (counted started, once)
+    leases.posted(p_id("a"), 1)
     assert leases.posting_to("d1")  # in flight: the drop waits
 
 

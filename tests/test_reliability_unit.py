@@ -343,9 +343,8 @@ def test_in_flight_snapshots_sum_over_workers_and_return_to_zero():
 def test_failure_log_line_points_at_the_code_that_failed(caplog):
     from connector.glue.worker import ObservedPushWorker
 
-    w = object.__new__(ObservedPushWorker)
-    w.engine_id, w._recving_metadata, w._kv_role = "me", {}, "kv_consumer"
-    w._trigger_local = threading.local()
+    w = ObservedPushWorker.without_engine("kv_consumer", engine_id="me")
+    w._recving_metadata = {}  # (vLLM's, read for the line's context)
 
     def the_failing_call_site() -> None:
         w._log_failure(failure_type="transfer_failed", req_id=None, msg="boom")

@@ -426,9 +426,7 @@ class PushFlow(Flow):
                     known = set(self._sending_transfers.get(request_id, ()))
                     self._sending_transfers[request_id].extend(h for h in handles if h not in known)
                     self._send_failures.add(request_id)
-            started = self._leases.posted(request_id, len(handles))
-            if started:
-                self._count_push(StatKey.PUSHES_STARTED)
+            self._leases.posted(request_id, len(handles))
         elapsed_ms = (time.perf_counter() - now) * 1000.0
         if elapsed_ms > SLOW_SUBMISSION_MS:
             logger.warning("Posting the WRITEs of request %s took %.1f ms (slow NIXL submission)",
@@ -454,6 +452,8 @@ class PushFlow(Flow):
             handles = self._posted_handles.get(req_id)
             if handles is not None:
                 handles.append(handle)
+            if self._leases.wrote(req_id):  # (its first WRITE: the push started)
+                self._count_push(StatKey.PUSHES_STARTED)
         return handle
 
     def _open_write_span(self, request_id: str, local_block_ids: Any,

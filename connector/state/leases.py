@@ -476,24 +476,28 @@ class LeaseLedger:
             if lease is not None and lease.state is LeaseState.POSTING:
                 lease.state = LeaseState.CLAIMED
 
-    def posted(self, p_request_id: str, handles: int) -> bool:
-        """The writer published the lease's WRITE handles (none: the push failed).
-        True the first time the request has handles: count its push started."""
+    def wrote(self, p_request_id: str) -> bool:
+        """The writer got a WRITE handle for the request (before vLLM publishes it: vLLM
+        may report it done at once). True the first time: count its push started."""
         with self._lock:
             lease = self._leases.get(p_request_id)
-            if lease is None:
-                return handles > 0
-            started = handles > 0 and not lease.started
-            lease.started = lease.started or handles > 0
-            if lease.state is not LeaseState.POSTING:
-                return started  # (vLLM reported it done first: PUSHED already)
+            if lease is None or lease.started:
+                return lease is None
+            lease.started = True
+            return True
+
+    def posted(self, p_request_id: str, handles: int) -> None:
+        """The writer published the lease's WRITE handles (none: the push failed)."""
+        with self._lock:
+            lease = self._leases.get(p_request_id)
+            if lease is None or lease.state is not LeaseState.POSTING:
+                return  # (vLLM reported it done first: PUSHED already)
             if handles > 0:
                 lease.state = LeaseState.WRITING
                 lease.handles = handles
                 self._writes += 1
             else:
                 self._fail(lease, PushFailReason.PUSH_FAILED)
-            return started
 
     def push_failed(self, p_request_id: str) -> bool:
         """The push of this request failed: True the first time (count it once)."""
