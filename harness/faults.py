@@ -56,6 +56,13 @@ class FaultCommands:
     def cmd_faults_raised(self) -> dict[str, int]:
         return {target: count() for target, count in getattr(self, "_armed", {}).items()}
 
+    def cmd_quiet_for(self, engine_id: str) -> float:
+        """Seconds since `engine_id` last answered this worker (handshake, notification,
+        probe reply), on this engine's clock."""
+        import time
+
+        return time.perf_counter() - self.worker._connections.last_contact(engine_id)
+
     def cmd_refuse_writes(self, n: int) -> None:
         """NIXL refuses the next `n` WRITEs at posting (`make_prepped_xfer` raises)."""
         assert self.fault_agent is not None, "engine started without faults_seed"

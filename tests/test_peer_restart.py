@@ -123,6 +123,27 @@ def test_requests_sent_right_after_a_prefill_restart_all_complete(harness) -> No
     assert d_stats.values(StatKey.PEER_RESETS) == Counter({"d_to_p|notification_failed": 2})
 
 
+def test_requests_right_after_a_restart_of_a_prefill_quiet_for_long_all_complete(tmp_path) -> None:
+    """The same after D heard nothing from P for longer than a lease (D idle): dropping
+    the dead connection must not give up, as "unreachable", the requests whose PUSH_REGs
+    found it dead: P's silence counts from the drop (found on real `vllm serve`: all
+    three requests failed at the drop, recomputed or answered HTTP 500)."""
+    h = connected(tmp_path, SHORT_LEASE_S)
+    try:
+        unreachable_after = SHORT_LEASE_S + max(1, SHORT_LEASE_S // 6)
+        p_engine = h["P"].address["engine_id"]
+        wait_until(lambda: h["D"].call("quiet_for", p_engine) > unreachable_after + 1,
+                   "D to hear nothing from P for longer than a lease", timeout_s=60, interval_s=0.5)
+        d_stats = Stats(h, "D")
+        restart(h, "P", "P2")
+        report = h.push(3, prefill="P2", bulk=True)
+        assert report.ok, (report.failed, report.mismatched)
+        assert d_stats.values(StatKey.RECEIVE_FAILURES) == Counter()
+        assert d_stats.values(StatKey.RECEIVES_ABANDONED) == Counter()
+    finally:
+        h.stop()
+
+
 def test_decode_restart_under_prefill_fails_the_caught_push_fast_then_works(harness) -> None:
     h = harness
     restart(h, "D", "D2")

@@ -480,12 +480,15 @@ class ConnectionTable:
             return True
 
     def unreachable(self, now: float, after_s: float) -> list[str]:
-        """Dropped engines that have not answered for `after_s`."""
+        """Dropped engines silent for `after_s` since their drop (or their last answer,
+        if later), with no handshake to them under way: one dropped after a long quiet
+        spell gets its full `after_s` (a request that found it dead must not be given up
+        before the re-handshake it started could answer)."""
         if not self._dropped:
             return []
         with self._lock:
-            return [p.engine_id for p in self._peers.values()
-                    if p.dropped_at is not None and now - p.last_contact > after_s]
+            return [p.engine_id for p in self._peers.values() if p.dropped_at is not None
+                    and p.pending is None and now - max(p.last_contact, p.dropped_at) > after_s]
 
     def forget_silent(self, now: float) -> list[Forgotten]:
         """Dropped engines silent for `forget_after_s` are forgotten."""
