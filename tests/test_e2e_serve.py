@@ -528,7 +528,11 @@ def test_requests_sent_right_after_a_prefill_restart_all_get_their_kv(stack: Sta
     requests arrive at once, before D noticed anything: their PUSH_REGs meet P's dead
     agent (or none, while D drops it) and go again with the new connection. All complete
     with their KV over NIXL: no receive failed, so no `kv_load_failure_policy` was asked
-    (with vLLM's default, `fail`, a failed one is an HTTP 500)."""
+    (with vLLM's default, `fail`, a failed one is an HTTP 500). P's restart takes longer
+    than a lease, so D has heard nothing from P for that long when they arrive."""
+    before = drive.run(stack.router.url, stack.prefill.url, drive.make_prompts(1, seed=70),
+                       prefix="e2e-before-restart", max_tokens=MAX_TOKENS)  # (D connected to P)
+    assert all(o.ok for o in before), [o.error for o in before]
     failures = count(stack.decode, RECEIVE_FAILURES.name + "_total")
     resets = count(stack.decode, PEER_RESETS.name + "_total")
     new_p = stack.restart_prefill()
