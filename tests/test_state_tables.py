@@ -142,9 +142,12 @@ def receive_in(state: str, agents: frozenset[str] = frozenset({"a1"}),
     if state in ("SENDING", "REGISTERED", "UNDELIVERED", "ABANDONED") or reached_before:
         assert receives.begin_send(R)
         if state != "SENDING" or reached_before:
-            receives.sent(R, {}, agents if state != "UNDELIVERED" else frozenset(), now=1.0)
-        if state == "SENDING" and reached_before:
-            assert receives.begin_send(R) == 2  # (sent again)
+            receives.sent(R, {}, agents if state != "UNDELIVERED" or reached_before else frozenset(),
+                          now=1.0)
+        if state in ("SENDING", "UNDELIVERED") and reached_before:
+            assert receives.begin_send(R) == 2  # (sent again ...)
+            if state == "UNDELIVERED":
+                receives.sent(R, {}, frozenset(), now=1.5)  # (... to nobody)
         if state == "ABANDONED":
             assert receives.give_up(R, ReceiveAbandon.CLIENT_GONE, now=2.0) == "held"
     if state == "FAILING":
@@ -202,7 +205,7 @@ RECEIVES: dict[str, Callable[[str], str]] = {
     "R12": _receive(lambda receives: receives.agent_failed(R, "a1", ReceiveFailure.PUSH_FAILED, now=3.0),
                     agents=frozenset({"a1", "a2"})),
     "R13": _told_then_landed,
-    "R14": _receive(_restarted),
+    "R14": _receive(_restarted, reached_before=True),
     "R15": _receive(lambda receives: receives.over(R)),
 }
 

@@ -269,12 +269,14 @@ class ReceiveLedger:
             return rec is not None and rec.sent_at > 0 and rec.state is not ReceiveState.FAILING
 
     def registered_on(self, engine_id: str, agents: frozenset[str]) -> list[str]:
-        """Receives whose PUSH_REG reached only these (now gone) agents of `engine_id`."""
+        """Receives whose PUSH_REG reached only these (now gone) agents of `engine_id`,
+        whatever they are doing now (a resend in flight, or one that reached nobody, goes
+        to a process that never had the request)."""
         agents = frozenset(map(agent_name, agents))
         with self._lock:
             return [r.req_id for r in self._receives.values()
                     if r.engine == engine_id and r.agents and r.agents <= agents
-                    and r.state in (ReceiveState.REGISTERED, ReceiveState.ABANDONED)]
+                    and r.state is not ReceiveState.FAILING]
 
     def waiting_on(self, engine_id: str) -> list[str]:
         """Receives still waiting for this engine (not abandoned, not over)."""
