@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "overhead": "benchmarks.overhead",
     "leases": "benchmarks.leases",
     "telemetry-cost": "benchmarks.telemetry_cost",
+    "scale": "benchmarks.scale",
 }
 
 

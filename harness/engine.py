@@ -25,6 +25,7 @@ import numpy as np
 from harness.config import EngineSpec, build_kv_cache_config, build_vllm_config, engine_env
 from harness.faults import FaultCommands
 from harness.instruments import InstrumentCommands
+from harness.scale import ScaleCommands
 
 STEP_INTERVAL_S = 0.001
 # Like vLLM's engine core, which blocks when it has no work, an engine with nothing
@@ -91,7 +92,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class Engine(FaultCommands, InstrumentCommands):
+class Engine(FaultCommands, InstrumentCommands, ScaleCommands):
     """The engine emulation: vLLM's per-step connector calls, and the commands that drive
     and read the push flow. Fault injection (`harness.faults`) and benchmark timing
     (`harness.instruments`) are mixed in; every `cmd_<name>` is a command."""

@@ -17,15 +17,14 @@ def release_claimed() -> None:
 
     original = ledger_module.LeaseLedger.plan_reap
 
-    def plan_reap(self: Any, now: float, held: Any) -> Any:
+    def plan_reap(self: Any, now: float, holds: Any) -> Any:
         with self._lock:
-            for lease in self._leases.values():
+            for lease in list(self._claims.values()):
                 if lease.state in (ledger_module.LeaseState.CLAIMED, ledger_module.LeaseState.WRITING) \
                         and lease.deadline <= now:
-                    if lease.state is ledger_module.LeaseState.WRITING:
-                        self._writes -= 1
-                    lease.state = ledger_module.LeaseState.HELD
-        return original(self, now, held)
+                    self._set_state(lease, ledger_module.LeaseState.HELD)
+                    self._push_deadline(lease)
+        return original(self, now, holds)
 
     ledger_module.LeaseLedger.plan_reap = plan_reap  # type: ignore[method-assign]
 

@@ -395,35 +395,44 @@ def reaper_stopping_at_first_live_lease(self: Any, done_sending: set[str]) -> No
         done_sending.add(req_id)
 
 
-@pytest.mark.parametrize("stops_at_first_live, released_at_pass", [(False, 1), (True, 2)],
-                         ids=["vllm-scans-all", "upstream-58222"])
-def test_lease_released_after_the_pass_it_was_due_is_counted_late(
-        monkeypatch: pytest.MonkeyPatch, stops_at_first_live: bool, released_at_pass: int) -> None:
-    """A renewed lease at the head, an expired one behind it. It is due at pass 1; a
-    reaper that stops at the head releases it only at pass 2 (after the head ends): late."""
+@pytest.mark.parametrize("stops_at_first_live", [False, True], ids=["vllm-scans-all", "upstream-58222"])
+def test_a_due_lease_is_released_at_the_first_pass_wherever_it_sits(
+        monkeypatch: pytest.MonkeyPatch, stops_at_first_live: bool) -> None:
+    """A renewed lease at the head of vLLM's map, an expired one behind it: released at the
+    first pass past its deadline, whether vLLM's reaper scans every entry (0.32-0.34) or
+    stops at the first live one (before PR #50789, issue #58222): the fork hands vLLM's
+    reaper the due leases only."""
     if stops_at_first_live:
         monkeypatch.setattr(NixlBaseConnectorWorker, "_reap_expired_send_leases",
                             reaper_stopping_at_first_live_lease)
     w = bare_lease_worker()
-    previous_pass = time.perf_counter()
-    w._leases.plan_reap(previous_pass, [])  # (the previous reaper pass)
-    grant(w, "head", previous_pass + 3600.0)  # renewed: live
-    grant(w, "behind", previous_pass + 0.001)  # expires after the previous pass
-    wait_until(lambda: time.perf_counter() > previous_pass + 0.001, "the lease behind to expire",
+    start = time.perf_counter()
+    grant(w, "head", start + 3600.0)  # renewed: live
+    grant(w, "behind", start + 0.001)
+    wait_until(lambda: time.perf_counter() > start + 0.001, "the lease behind to expire",
                interval_s=0.0005)
-    released: list[set[str]] = []
-    for _ in range(2):
-        done: set[str] = set()
-        w._reap_expired_send_leases(done)
-        released.append(done)
-        # After pass 1 the head is pushed (its lease ends without expiring).
-        w._reqs_to_send.pop("head", None)
-        w._reqs_to_process.discard("head")
-    assert [("behind" in done) for done in released] == [i + 1 == released_at_pass for i in range(2)]
+    done: set[str] = set()
+    w._reap_expired_send_leases(done)
+    assert done == {"behind"} and set(w._reqs_to_send) == {"head"}
+    assert w._reqs_to_process == {"head"}
     stats = w.xfer_stats.data
     assert stats[StatKey.LEASE_EXPIRIES] == [LeaseFate.UNCLAIMED.value]
     assert len(stats["num_kv_expired_reqs"]) == 1
-    assert len(stats.get(StatKey.LEASES_REAPED_LATE, [])) == (1 if released_at_pass > 1 else 0)
+    assert stats.get(StatKey.LEASES_REAPED_LATE, []) == []
+
+
+def test_a_lease_granted_past_its_deadline_is_released_at_once_and_counted_late() -> None:
+    """A lease whose deadline had passed before the previous reaper pass (a starved
+    scheduler's expiry, rebased) is released at the next pass, counted late."""
+    w = bare_lease_worker()
+    start = time.perf_counter()
+    grant(w, "live", start + 3600.0)
+    w._reap_expired_send_leases(set())  # (the previous pass)
+    grant(w, "stale", start - 10.0)
+    done: set[str] = set()
+    w._reap_expired_send_leases(done)
+    assert done == {"stale"}
+    assert len(w.xfer_stats.data.get(StatKey.LEASES_REAPED_LATE, [])) == 1
 
 
 class RecordingExecutor:

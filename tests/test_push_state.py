@@ -54,14 +54,13 @@ def test_a_held_lease_past_its_deadline_is_claimable_until_the_reaper_releases_i
     leases.grant({p_id("a"): 100.0}, None, 0.0)
     assert leases.claim(p_id("a"), reg("a"), None, None, now=150.0) is None
     assert leases.claimed_past_deadline == 1
-    released, keep = leases.plan_reap(200.0, [p_id("a")])
-    assert released == [] and keep == {p_id("a")}
+    assert leases.plan_reap(200.0, [p_id("a")]) == []
 
 
 def test_the_reaper_releases_what_expired_and_a_claim_after_that_is_refused_as_late():
     leases = ledger()
     leases.grant({p_id("a"): 100.0}, None, 0.0)
-    (released,), _ = leases.plan_reap(100.0, [p_id("a")])
+    (released,) = leases.plan_reap(100.0, [p_id("a")])
     assert released.req_id == p_id("a")
     refusal = leases.claim(p_id("a"), reg("a"), None, None, now=100.1)
     assert isinstance(refusal, Refusal) and refusal.reason is PushFailReason.LEASE_EXPIRED
@@ -75,8 +74,8 @@ def test_a_renewal_read_by_the_writer_counts_at_the_next_reaper_pass():
     leases.grant({p_id("a"): 100.0}, None, 0.0)
     outcomes, renewed = leases.renew([reg("a")["request_id"]], None, now=99.0, stamp_ns=1)
     assert outcomes == {LeaseRenewal.RENEWED.value: 1} and renewed == 1
-    assert leases.plan_reap(110.0, [p_id("a")])[0] == []  # renewed to 99 + 20
-    assert [r.req_id for r in leases.plan_reap(119.0, [p_id("a")])[0]] == [p_id("a")]
+    assert leases.plan_reap(110.0, [p_id("a")]) == []  # renewed to 99 + 20
+    assert [r.req_id for r in leases.plan_reap(119.0, [p_id("a")])] == [p_id("a")]
 
 
 def test_a_push_fail_is_owed_only_once_every_write_of_the_request_settled():
@@ -93,7 +92,7 @@ def test_a_push_fail_is_owed_only_once_every_write_of_the_request_settled():
     assert not settled.pushed and settled.failure is PushFailReason.PUSH_FAILED
     assert leases.take_owed() == [(r, PushFailReason.PUSH_FAILED)]
     # Released at the next pass, as vLLM's reaper would release it.
-    assert [x.req_id for x in leases.plan_reap(2.0, [p_id("a")])[0]] == [p_id("a")]
+    assert [x.req_id for x in leases.plan_reap(2.0, [p_id("a")])] == [p_id("a")]
 
 
 def test_a_settled_push_carries_its_stage_times_and_a_failed_one_none():
@@ -322,7 +321,7 @@ def test_the_ledger_is_bounded_and_never_drops_a_live_lease():
     leases = ledger(limit=4)
     leases.grant({p_id(f"r{i}"): 100.0 for i in range(6)}, None, 0.0)
     assert len(leases) == 6  # all live: none dropped (their blocks are held)
-    released, _ = leases.plan_reap(200.0, [p_id(f"r{i}") for i in range(6)])
+    released = leases.plan_reap(200.0, [p_id(f"r{i}") for i in range(6)])
     assert len(released) == 6
     leases.grant({p_id("new"): 300.0}, None, 0.0)
     assert len(leases) == 4 and leases.state_of(p_id("new")) is LeaseState.HELD
@@ -352,7 +351,7 @@ def test_claims_and_the_reaper_racing_on_real_threads_never_share_a_lease():
     start.wait()
     released: set[str] = set()
     while thread.is_alive() or not released | set(claimed) >= set(ids):
-        out, _ = leases.plan_reap(1.0, [r for r in ids if r not in released])
+        out = leases.plan_reap(1.0, [r for r in ids if r not in released])
         released |= {x.req_id for x in out}
     thread.join()
     assert not released & set(claimed)
@@ -414,7 +413,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @rule()
     def main_step(self) -> None:
-        out, _ = self.leases.plan_reap(self.now, sorted(self.held))
+        out = self.leases.plan_reap(self.now, self.held)
         for item in out:
             assert item.req_id not in self.open, "released under an open WRITE"
             self.held.discard(item.req_id)

@@ -15,8 +15,9 @@ Here the lease ledger (connector/state/leases.py) owns every lease:
   engine step later on the main thread): a heartbeat id matches by P's internal id,
   base id (a fork decoder names its own request) or router id (a stock decoder);
 - vLLM's reaper (`_reap_expired_send_leases`, main thread) releases exactly the
-  leases the ledger says are released: claimed leases never, until their WRITE
-  settled. Each expiry is counted with what P knew of the request (its fate);
+  leases the ledger says are released (claimed leases never, until their WRITE
+  settled), looking at those only. Each expiry is counted with what P knew of the
+  request (its fate);
 - D side: `_send_heartbeats`, in our words (vLLM's swallows a failed send, so a dead
   peer went unnoticed, and drops a heartbeat whose engine's handshake is pending): the
   heartbeats leave out receives this worker gave up, carry when they were sent, a send
@@ -49,7 +50,9 @@ logger = logging.getLogger(__name__)
 
 # How often the lease gauges are refreshed while leases are held (seconds).
 LEASE_REPORT_INTERVAL_S = 1.0
-_RELEASE_NOW, _KEEP = float("-inf"), float("inf")
+# How often leases vLLM holds that the ledger does not know are looked for (seconds).
+UNKNOWN_LEASES_CHECK_S = 1.0
+_RELEASE_NOW = float("-inf")
 
 
 class LeaseFlow(Flow):
@@ -57,6 +60,7 @@ class LeaseFlow(Flow):
 
     def _init_leases(self) -> None:
         self._leases_reported_at = 0.0
+        self._reaped_unknown_at = 0.0
         self._leases_report_owed = False
         # D: heartbeats vLLM dropped while their engine's handshake was pending.
         self._owed_heartbeats: dict[str, Any] = {}
@@ -112,28 +116,34 @@ class LeaseFlow(Flow):
 
     # ---------------------------------------------------------------- expired
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
-        """vLLM's reaper, on the ledger's word: it releases exactly what `plan_reap`
-        released (deadlines it may not read stale: they are set to match, and set
-        back after)."""
+        """vLLM's reaper, on the ledger's word and on what is due only: it runs over a map
+        of just the leases the ledger released this step (deadlines -inf), put in place of
+        `_reqs_to_send` for the call (main thread only, like every use of that map), and
+        what it released leaves the real map after. So a step costs what it releases, not
+        what P holds (vLLM's own pass scans every lease). Once a second the leases vLLM
+        holds that the ledger does not know, if any, go through it too, with vLLM's own
+        deadlines and rule."""
         held = self._reqs_to_send
         if not held:
-            return super()._reap_expired_send_leases(done_sending)
-        released, keep = self._leases.plan_reap(time.perf_counter(), list(held))
-        if not released and len(keep) == len(held):
-            return None  # (nothing to release; vLLM's pass would go by stale deadlines)
-        # Released: -inf; kept by the ledger: +inf; a lease the ledger does not know
-        # keeps vLLM's own deadline and rule.
-        saved = {req_id: held[req_id] for req_id in keep}
-        for req_id in keep:
-            held[req_id] = _KEEP
-        for item in released:
-            held[item.req_id] = _RELEASE_NOW
+            return None
+        now = time.perf_counter()
+        released = self._leases.plan_reap(now, held)
+        due = {item.req_id: _RELEASE_NOW for item in released}
+        if now - self._reaped_unknown_at >= UNKNOWN_LEASES_CHECK_S:
+            self._reaped_unknown_at = now
+            for req_id in self._leases.unknown(list(held)):
+                due[req_id] = held[req_id]
+        if not due:
+            return None
+        view = dict(due)
+        self._reqs_to_send = view
         try:
             super()._reap_expired_send_leases(done_sending)
         finally:
-            for req_id, deadline in saved.items():
-                if req_id in held:
-                    held[req_id] = self._leases.deadline_of(req_id) or deadline
+            self._reqs_to_send = held
+            for req_id in due:
+                if req_id not in view:  # vLLM released it from the view: from the map too
+                    held.pop(req_id, None)
         try:
             for item in released:
                 if item.req_id in done_sending:

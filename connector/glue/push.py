@@ -153,6 +153,7 @@ class PushFlow(Flow):
             match = self._finished_blocks_for(d_id)
             if match is None:
                 self._pending_d_registrations[d_id] = reg
+                self._pending_since.pop(d_id, None)  # (kept in arrival order)
                 self._pending_since[d_id] = time.monotonic()
             else:
                 refusal = self._claim(match, reg)
@@ -170,12 +171,14 @@ class PushFlow(Flow):
             self._start_early_handshake(reg)
 
     def _finished_blocks_for(self, d_request_id: str) -> str | None:
-        """P's finished request a PUSH_REG names (vLLM matches by base id), not popped."""
-        if d_request_id in self._push_finished_blocks:
+        """P's finished request a PUSH_REG names (vLLM matches by base id), not popped.
+        Looked up through the lease ledger's index of ids by base id (vLLM scans every
+        finished request for each PUSH_REG)."""
+        finished = self._push_finished_blocks
+        if d_request_id in finished:
             return d_request_id
-        base = get_base_request_id(d_request_id)
-        for p_id in self._push_finished_blocks:
-            if get_base_request_id(p_id) == base:
+        for p_id in self._leases.ids_known_by(get_base_request_id(d_request_id)):
+            if p_id in finished:
                 return p_id
         return None
 
@@ -185,10 +188,9 @@ class PushFlow(Flow):
         registration of the same base id and lets no one refuse it."""
         pending = self._pending_d_registrations
         d_id = request_id if request_id in pending else None
-        if d_id is None:
-            base = get_base_request_id(request_id)
-            d_id = next((r for r in pending if get_base_request_id(r) == base), None)
-        if d_id is None:
+        if d_id is None:  # (through the ledger's index: vLLM scans every pending one)
+            d_id = self._leases.registration_waiting(get_base_request_id(request_id))
+        if d_id is None or d_id not in pending:
             return None
         reg = pending.pop(d_id)
         self._pending_since.pop(d_id, None)
@@ -253,15 +255,18 @@ class PushFlow(Flow):
             self._answer_unmatched(time.monotonic())
 
     def _answer_unmatched(self, now: float) -> None:
-        """PUSH_REGs no request of P matched in time get PUSH_FAIL (no_prefill)."""
-        pending = self._pending_d_registrations
-        for d_id, since in list(self._pending_since.items()):
+        """PUSH_REGs no request of P matched in time get PUSH_FAIL (no_prefill). They are
+        kept in arrival order: only those due, and those matched meanwhile ahead of them,
+        are looked at (a pass costs what is due, not what waits)."""
+        pending, since_of = self._pending_d_registrations, self._pending_since
+        while since_of:
+            d_id, since = next(iter(since_of.items()))
             if d_id not in pending:
-                del self._pending_since[d_id]  # matched (or evicted) meanwhile
+                del since_of[d_id]  # matched (or evicted) meanwhile
                 continue
             if now - since < self._unmatched_after_s:
-                continue
-            del self._pending_since[d_id]
+                break
+            del since_of[d_id]
             reg = pending.pop(d_id)
             self._leases.unmatched(d_id)
             self._reject_push_reg(PushRegRejection.UNMATCHED,

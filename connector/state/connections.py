@@ -153,8 +153,9 @@ class ConnectionTable:
         self._last_active = last_active if last_active is not None else {}
         self._peers: OrderedDict[str, Peer] = OrderedDict()
         self._by_agent: dict[str, str] = {}
-        self._suspects = 0
-        self._dropped = 0
+        # The suspect and the dropped peers (what tending looks at, not every peer).
+        self._suspect_peers: dict[str, Peer] = {}
+        self._dropped_peers: dict[str, Peer] = {}
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:
@@ -163,7 +164,7 @@ class ConnectionTable:
     @property
     def need_tending(self) -> bool:
         """Some peer is suspect or dropped (a truth test for the per-step check)."""
-        return self._suspects > 0 or self._dropped > 0
+        return bool(self._suspect_peers or self._dropped_peers)
 
     def engine_of(self, agent: Any) -> str | None:
         return self._by_agent.get(agent_name(agent))  # (one dict read: atomic)
@@ -175,7 +176,7 @@ class ConnectionTable:
                     "notif_only": sorted(p.engine_id for p in self._peers.values()
                                          if p.ranks and p.notif_only),
                     "pending": sum(1 for p in self._peers.values() if p.pending is not None),
-                    "suspects": self._suspects, "dropped": self._dropped,
+                    "suspects": len(self._suspect_peers), "dropped": len(self._dropped_peers),
                     "parked": sum(len(p.parked) for p in self._peers.values())}
 
     def state_of(self, engine_id: str) -> ConnState:
@@ -298,8 +299,7 @@ class ConnectionTable:
             self._last_active[engine_id] = now
             old = peer.dropped_agents
             restarted = peer.dropped_at is not None and not (old & names)
-            if peer.dropped_at is not None:
-                self._dropped -= 1
+            self._dropped_peers.pop(engine_id, None)
             peer.dropped_at, peer.dropped_agents, peer.drop_reason = None, frozenset(), None
             self._clear_suspect(peer)
             parked, peer.parked = peer.parked, []
@@ -400,7 +400,7 @@ class ConnectionTable:
             if peer is None:
                 return
             if peer.suspect is None:
-                self._suspects += 1
+                self._suspect_peers[engine_id] = peer
                 peer.suspect = reason
             if agent is not None:
                 peer.suspect_agents.add(agent_name(agent))
@@ -415,7 +415,7 @@ class ConnectionTable:
         with self._lock:
             return [Suspect(p.engine_id, p.suspect, frozenset(p.suspect_agents), dict(p.ranks),
                             p.pending is not None)
-                    for p in self._peers.values() if p.suspect is not None]
+                    for p in self._suspect_peers.values()]
 
     def clear_suspect(self, engine_id: str) -> None:
         with self._lock:
@@ -449,8 +449,7 @@ class ConnectionTable:
         with self._lock:
             peer = self._peer(engine_id)
             self._clear_suspect(peer)
-            if peer.dropped_at is None:
-                self._dropped += 1
+            self._dropped_peers[engine_id] = peer
             peer.dropped_at, peer.drop_reason = now, reason
             peer.dropped_agents = peer.agents
             peer.kept_transfer_info = kept_transfer_info
@@ -484,20 +483,20 @@ class ConnectionTable:
         if later), with no handshake to them under way: one dropped after a long quiet
         spell gets its full `after_s` (a request that found it dead must not be given up
         before the re-handshake it started could answer)."""
-        if not self._dropped:
+        if not self._dropped_peers:
             return []
         with self._lock:
-            return [p.engine_id for p in self._peers.values() if p.dropped_at is not None
-                    and p.pending is None and now - max(p.last_contact, p.dropped_at) > after_s]
+            return [p.engine_id for p in self._dropped_peers.values()
+                    if p.pending is None and now - max(p.last_contact, p.dropped_at) > after_s]
 
     def forget_silent(self, now: float) -> list[Forgotten]:
         """Dropped engines silent for `forget_after_s` are forgotten."""
-        if not self._dropped:
+        if not self._dropped_peers:
             return []
         out: list[Forgotten] = []
         with self._lock:
-            for peer in list(self._peers.values()):
-                if peer.dropped_at is None or peer.pending is not None:
+            for peer in list(self._dropped_peers.values()):
+                if peer.pending is not None:
                     continue
                 if now - max(peer.dropped_at, peer.last_contact) < self.forget_after_s:
                     continue
@@ -532,13 +531,11 @@ class ConnectionTable:
         if peer.suspect is not None:
             peer.suspect = None
             peer.suspect_agents.clear()
-            self._suspects -= 1
+            del self._suspect_peers[peer.engine_id]
 
     def _remove(self, peer: Peer) -> None:
         self._peers.pop(peer.engine_id, None)
         for name in peer.agents:
             self._by_agent.pop(name, None)
-        if peer.suspect is not None:
-            self._suspects -= 1
-        if peer.dropped_at is not None:
-            self._dropped -= 1
+        self._suspect_peers.pop(peer.engine_id, None)
+        self._dropped_peers.pop(peer.engine_id, None)

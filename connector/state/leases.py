@@ -17,15 +17,19 @@ from blocks the reaper had just released. Here the ledger is the authority:
 - a PUSH_FAIL is owed only once every rank's WRITE of the request settled.
 
 The state machine is the table in docs/architecture.md ("Push state"). Methods say
-which thread calls them; none calls out while holding the lock.
+which thread calls them; none calls out while holding the lock. What a step costs grows
+with what changed, not with the leases held: HELD deadlines sit in a heap (reaping
+pops what is due), claimed leases in claim order (timeouts look at the oldest only),
+and WRITEs posted, leases failed and claims per decoder in their own indexes.
 """
 
 from __future__ import annotations
 
+import heapq
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +145,17 @@ class LeaseLedger:
         self._pending_bases: dict[str, str] = {}  # base id -> the D request waiting on it
         self._ended_keys: OrderedDict[str, bool] = OrderedDict()  # key -> released (True) / pushed
         self._owed: list[tuple[dict[str, Any], PushFailReason]] = []
+        # Indexes kept with every state change (`_set_state`), so a step looks only at
+        # what is due: HELD deadlines (a heap; an entry whose lease moved on or got a
+        # later deadline is skipped when popped), claims in claim order, WRITEs posting
+        # or in flight, FAILED leases the next reap releases, claims per decoder engine.
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._pushed_deadlines = 0  # (a tie-breaker: heap entries never compare leases)
+        self._claims: OrderedDict[str, Lease] = OrderedDict()
+        self._posted: dict[str, Lease] = {}
+        self._failed: dict[str, Lease] = {}
+        self._by_engine: dict[str, set[str]] = {}
+        self._live = 0  # leases HELD, CLAIMED, POSTING or WRITING
         self._writes = 0  # leases WRITING
         self._last_reap = 0.0
         # Counters of what the ledger kept from happening (read by tests and stats).
@@ -171,11 +186,12 @@ class LeaseLedger:
                     "ended_keys": len(self._ended_keys)}
 
     def oldest_held(self, now_mono: float) -> tuple[int, float]:
-        """(live leases, age of the oldest in s)."""
+        """(live leases, age of the oldest in s). Leases are kept in grant order: the
+        oldest live one is the first found (what precedes it has ended this step)."""
         with self._lock:
-            live = [lease for lease in self._leases.values() if lease.state in _LIVE]
-            oldest = min((lease.granted_at for lease in live), default=now_mono)
-            return len(live), now_mono - oldest
+            oldest = next((lease.granted_at for lease in self._leases.values()
+                           if lease.state in _LIVE), now_mono)
+            return self._live, now_mono - oldest
 
     def lease_history(self, req_id: str) -> tuple[list[int], LeaseFate | None]:
         """Renewal times (ns) and, if it was released unpushed, its fate."""
@@ -196,10 +212,14 @@ class LeaseLedger:
                 lease = self._leases.get(req_id)
                 if lease is not None and lease.state in _LIVE:
                     continue
+                if lease is not None:  # (an ended one of the same id: replaced)
+                    self._drop(lease)
                 keys = self._prefilling.pop(req_id, None) or request_keys(req_id, self._base_of)
-                self._leases[req_id] = Lease(req_id, keys, deadline, now_mono,
-                                             (digests or {}).get(req_id), granted_pc=now)
-                self._leases.move_to_end(req_id)
+                lease = Lease(req_id, keys, deadline, now_mono, (digests or {}).get(req_id),
+                              granted_pc=now)
+                self._leases[req_id] = lease
+                self._live += 1
+                self._push_deadline(lease)
                 for key in keys:
                     self._by_key.setdefault(key, set()).add(req_id)
             self._trim()
@@ -222,38 +242,53 @@ class LeaseLedger:
                 del self._prefilling[req_id]
                 self._unindex(req_id, keys)
 
-    def plan_reap(self, now: float, held: Iterable[str]) -> tuple[list[Released], set[str]]:
-        """Which of vLLM's held leases its reaper releases now, and which it must keep.
-
-        Released: HELD past its deadline, and FAILED (nothing in flight any more).
-        Marked RELEASED here, under the lock: a claim racing this step finds it gone.
-        A lease vLLM holds that the ledger does not know keeps vLLM's own rule.
-        """
+    def plan_reap(self, now: float, holds: Container[str]) -> list[Released]:
+        """The leases vLLM's reaper releases now (of those it `holds`): HELD past its
+        deadline, and FAILED (nothing in flight any more). Marked RELEASED here, under
+        the lock: a claim racing this step finds it gone. Only what is due is looked at
+        (the deadline heap, the failed index)."""
         released: list[Released] = []
-        keep: set[str] = set()
         with self._lock:
             previous = self._last_reap
             self._last_reap = now
-            for req_id in held:
-                lease = self._leases.get(req_id)
-                if lease is None:
-                    continue
-                state = lease.state
-                if (state is LeaseState.HELD and lease.deadline <= now) or state is LeaseState.FAILED:
-                    released.append(Released(req_id, self._fate(lease),
-                                             state is LeaseState.HELD and lease.deadline < previous))
+            for lease in list(self._failed.values()):
+                if lease.req_id in holds:
+                    released.append(Released(lease.req_id, self._fate(lease), False))
                     self._end(lease, LeaseState.RELEASED)
-                elif state is LeaseState.RELEASED:  # released, and vLLM still holds it: late
-                    released.append(Released(req_id, self._fate(lease), True))
-                else:
-                    keep.add(req_id)
-        return released, keep
+            heap = self._deadlines
+            while heap and heap[0][0] <= now:
+                deadline, _, req_id = heapq.heappop(heap)
+                lease = self._leases.get(req_id)
+                if lease is None or lease.state is not LeaseState.HELD or lease.deadline != deadline:
+                    continue  # (moved on, or renewed: a later entry stands for it)
+                if req_id not in holds:
+                    continue  # (vLLM let it go this step: its end reaches `ended`)
+                released.append(Released(req_id, self._fate(lease), deadline < previous))
+                self._end(lease, LeaseState.RELEASED)
+        return released
+
+    def ids_known_by(self, key: str) -> tuple[str, ...]:
+        """P's live (or prefilling) request ids known by `key` (an id, base id or router
+        id): how the writer finds a PUSH_REG's finished blocks without a scan."""
+        with self._lock:
+            return tuple(self._by_key.get(key, ()))
+
+    def registration_waiting(self, base: str) -> str | None:
+        """The decoder request whose PUSH_REG waits for a prefill of this base id."""
+        with self._lock:
+            return self._pending_bases.get(base)
 
     def deadline_of(self, req_id: str) -> float | None:
-        """The deadline vLLM's map should show for a HELD lease (None otherwise)."""
+        """A HELD lease's deadline (None otherwise)."""
         with self._lock:
             lease = self._leases.get(req_id)
             return lease.deadline if lease is not None and lease.state is LeaseState.HELD else None
+
+    def unknown(self, held: Iterable[str]) -> list[str]:
+        """Of vLLM's held leases, those the ledger does not know (none, unless something
+        granted a lease past the ledger: they keep vLLM's own rule)."""
+        with self._lock:
+            return [req_id for req_id in held if req_id not in self._leases]
 
     @property
     def writing(self) -> bool:
@@ -270,10 +305,13 @@ class LeaseLedger:
                     continue
                 deadline = held.get(req_id)
                 if deadline is None:
-                    del self._leases[req_id]
+                    self._drop(lease)
                     self._unindex(req_id, lease.keys)
                 else:
-                    lease.deadline = max(lease.deadline, deadline) if lease.wanted else deadline
+                    new = max(lease.deadline, deadline) if lease.wanted else deadline
+                    if new != lease.deadline:
+                        lease.deadline = new
+                        self._push_deadline(lease)
 
     def settle(self, finished_sending: Iterable[str], open_writes: set[str],
                now: float = 0.0) -> list[Settled]:
@@ -287,7 +325,7 @@ class LeaseLedger:
             # POSTING and done: vLLM publishes a request's handles at the end of its
             # posting call, and this step's poll found them all done before the writer
             # called `posted` (which then finds the lease over).
-            for lease in [le for le in self._leases.values() if le.state in _POSTED]:
+            for lease in list(self._posted.values()):
                 if lease.req_id in done:
                     self._end(lease, LeaseState.PUSHED)
                     out.append(Settled(lease.req_id, True, None, lease.granted_pc,
@@ -306,10 +344,15 @@ class LeaseLedger:
         posted; it will not now); WRITING ones are returned for the caller to abort."""
         limit = now - self.write_timeout_s
         abort: list[str] = []
+        if not self._claims:
+            return abort
         with self._lock:
-            for lease in self._leases.values():
-                if lease.state not in _CLAIMED or lease.claimed_at > limit:
-                    continue
+            due = []
+            for lease in self._claims.values():  # (in claim order: the oldest first)
+                if lease.claimed_at > limit:
+                    break
+                due.append(lease)
+            for lease in due:
                 if lease.state is LeaseState.CLAIMED:
                     self._fail(lease, PushFailReason.WRITE_TIMEOUT)
                 elif lease.state is LeaseState.WRITING:
@@ -344,7 +387,7 @@ class LeaseLedger:
         with self._lock:
             lease = self._leases.get(req_id)
             if lease is not None and lease.state not in _LIVE:
-                del self._leases[req_id]
+                self._drop(lease)
 
     # ----------------------------------------------------------- writer thread
     def renew(self, hb_ids: Iterable[str], want_d: float | None, now: float,
@@ -359,8 +402,9 @@ class LeaseLedger:
                 targets = self._live_for(hb_id)
                 if targets:
                     for lease in targets:
-                        if lease.state is LeaseState.HELD:
-                            lease.deadline = max(lease.deadline, new_deadline)
+                        if lease.state is LeaseState.HELD and new_deadline > lease.deadline:
+                            lease.deadline = new_deadline
+                            self._push_deadline(lease)
                         lease.wanted = True
                         if want_d is not None and (lease.want_d is None or want_d > lease.want_d):
                             lease.want_d = want_d
@@ -436,11 +480,11 @@ class LeaseLedger:
             assert lease is not None
             if lease.deadline <= now:
                 self.claimed_past_deadline += 1
-            lease.state = LeaseState.CLAIMED
             lease.claimed_at = now
             lease.reg = reg
             lease.d_request_id = d_id
             lease.engine = reg.get("decode_engine_id")
+            self._set_state(lease, LeaseState.CLAIMED)
             if want_d is not None and (lease.want_d is None or want_d > lease.want_d):
                 lease.want_d = want_d
             self._note_registration(d_id, "claimed")
@@ -464,7 +508,7 @@ class LeaseLedger:
                                   "the decoder last asked for this KV more than a lease ago")
                 self._fail(lease, refusal.reason)
                 return refusal
-            lease.state = LeaseState.POSTING
+            self._set_state(lease, LeaseState.POSTING)
             lease.posted_pc = now
         return None
 
@@ -474,7 +518,7 @@ class LeaseLedger:
         with self._lock:
             lease = self._leases.get(p_request_id)
             if lease is not None and lease.state is LeaseState.POSTING:
-                lease.state = LeaseState.CLAIMED
+                self._set_state(lease, LeaseState.CLAIMED)
 
     def wrote(self, p_request_id: str) -> bool:
         """The writer got a WRITE handle for the request (before vLLM publishes it: vLLM
@@ -493,9 +537,8 @@ class LeaseLedger:
             if lease is None or lease.state is not LeaseState.POSTING:
                 return  # (vLLM reported it done first: PUSHED already)
             if handles > 0:
-                lease.state = LeaseState.WRITING
+                self._set_state(lease, LeaseState.WRITING)
                 lease.handles = handles
-                self._writes += 1
             else:
                 self._fail(lease, PushFailReason.PUSH_FAILED)
 
@@ -556,8 +599,8 @@ class LeaseLedger:
         """Main, dropping the connection to `engine_id`: some WRITE to it is being
         posted or in flight (the drop waits; see connections.py for the order)."""
         with self._lock:
-            return any(lease.engine == engine_id and lease.state in _POSTED
-                       for lease in self._leases.values())
+            claims = self._by_engine.get(engine_id, ())
+            return any(self._claims[req_id].state in _POSTED for req_id in claims)
 
     def target_of(self, req_id: str) -> str | None:
         """The decoder engine a claimed lease is pushed to."""
@@ -566,9 +609,9 @@ class LeaseLedger:
             return None if lease is None else lease.engine
 
     def writes_to(self, engine_id: str) -> bool:
+        """Some lease pushed to `engine_id` is claimed, posting or in flight."""
         with self._lock:
-            return any(lease.engine == engine_id and lease.state in _CLAIMED
-                       for lease in self._leases.values())
+            return bool(self._by_engine.get(engine_id))
 
     # -------------------------------------------------------------- internals
     def _hb_keys(self, hb_id: str) -> tuple[str, ...]:
@@ -601,9 +644,7 @@ class LeaseLedger:
         return LeaseFate.WAITING if lease.wanted else LeaseFate.UNCLAIMED
 
     def _fail(self, lease: Lease, reason: PushFailReason) -> None:
-        if lease.state is LeaseState.WRITING:
-            self._writes -= 1
-        lease.state = LeaseState.FAILED
+        self._set_state(lease, LeaseState.FAILED)
         lease.failure = reason
         if lease.d_request_id is not None:
             self._registrations[lease.d_request_id] = ("failed", reason)
@@ -611,9 +652,7 @@ class LeaseLedger:
             self._owed.append((lease.reg, reason))
 
     def _end(self, lease: Lease, state: LeaseState) -> None:
-        if lease.state is LeaseState.WRITING:
-            self._writes -= 1
-        lease.state = state
+        self._set_state(lease, state)
         if lease.d_request_id is not None and state is LeaseState.PUSHED:
             self._registrations[lease.d_request_id] = ("pushed", None)
         self._unindex(lease.req_id, lease.keys)
@@ -622,6 +661,51 @@ class LeaseLedger:
             self._ended_keys.move_to_end(key)
         while len(self._ended_keys) > self._limit:
             self._ended_keys.popitem(last=False)
+
+    def _set_state(self, lease: Lease, state: LeaseState) -> None:
+        """The one place a lease changes state: the indexes follow."""
+        old = lease.state
+        if old is state:
+            return
+        req_id = lease.req_id
+        self._live += (state in _LIVE) - (old in _LIVE)
+        self._writes += (state is LeaseState.WRITING) - (old is LeaseState.WRITING)
+        if old in _POSTED and state not in _POSTED:
+            del self._posted[req_id]
+        elif state in _POSTED and old not in _POSTED:
+            self._posted[req_id] = lease
+        if old in _CLAIMED and state not in _CLAIMED:
+            del self._claims[req_id]
+            claims = self._by_engine.get(lease.engine)
+            if claims is not None:
+                claims.discard(req_id)
+                if not claims:
+                    del self._by_engine[lease.engine]
+        elif state in _CLAIMED and old not in _CLAIMED:
+            self._claims[req_id] = lease
+            self._by_engine.setdefault(lease.engine, set()).add(req_id)
+        if old is LeaseState.FAILED:
+            del self._failed[req_id]
+        elif state is LeaseState.FAILED:
+            self._failed[req_id] = lease
+        lease.state = state
+
+    def _drop(self, lease: Lease) -> None:
+        """Take a lease out of the ledger (its indexes with it)."""
+        self._set_state(lease, LeaseState.RELEASED if lease.state in _LIVE else lease.state)
+        if lease.state is LeaseState.FAILED:
+            del self._failed[lease.req_id]
+        del self._leases[lease.req_id]
+
+    def _push_deadline(self, lease: Lease) -> None:
+        heap = self._deadlines
+        if len(heap) > 4 * self._live + 1024:  # mostly entries of leases gone or renewed
+            heap[:] = [(le.deadline, n, le.req_id) for n, le in enumerate(self._leases.values())
+                       if le.state is LeaseState.HELD]
+            heapq.heapify(heap)
+            self._pushed_deadlines = len(heap)
+        self._pushed_deadlines += 1
+        heapq.heappush(heap, (lease.deadline, self._pushed_deadlines, lease.req_id))
 
     def _unindex(self, req_id: str, keys: tuple[str, ...]) -> None:
         for key in keys:
@@ -643,7 +727,8 @@ class LeaseLedger:
         dropped (its blocks are held: vLLM's reaper still releases it)."""
         if len(self._leases) <= self._limit:
             return
-        for req_id in [r for r, le in self._leases.items() if le.state not in _LIVE]:
-            del self._leases[req_id]
+        for lease in [le for le in self._leases.values()
+                      if le.state not in _LIVE and le.state is not LeaseState.FAILED]:
+            self._drop(lease)
             if len(self._leases) <= self._limit:
                 return

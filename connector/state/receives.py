@@ -11,11 +11,15 @@ WRITE timeout after the decoder last asked for the KV. A fork P never posts a WR
 more than a lease after that last ask and aborts any WRITE older than the timeout,
 so by then nothing can land in the blocks vLLM is about to free.
 
-The state machine is the table in docs/architecture.md ("Push state").
+The state machine is the table in docs/architecture.md ("Push state"). A step costs
+what is due, not what waits: the registration deadlines are in start order, the safe
+points in a heap, the registered receives in the order their PUSH_REG last left (the
+resends look at the oldest only), and receives are indexed by the prefill they wait on.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -72,6 +76,16 @@ class ReceiveLedger:
         # not leave (its blocks may hold another request by now).
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._abandoned = 0
+        # Indexes kept with every state change (`_set_state`): the safe points of
+        # abandoned receives (a heap; an entry superseded by a later safe point or a
+        # state change is skipped when popped), REGISTERED receives in the order their
+        # PUSH_REG last reached P, receives by the prefill engine they wait on, and each
+        # such engine's side-channel address.
+        self._safe_points: list[tuple[float, int, str]] = []
+        self._pushed_safe_points = 0
+        self._registered: OrderedDict[str, Receive] = OrderedDict()
+        self._by_engine: dict[str, set[str]] = {}
+        self._addresses: dict[str, tuple[str, int]] = {}
 
     def __len__(self) -> int:
         return len(self._receives)
@@ -99,13 +113,16 @@ class ReceiveLedger:
             for req_id, reg in registrations.items():
                 if req_id in self._receives:
                     continue
-                self._receives[req_id] = Receive(req_id, reg.get("remote_engine_id"), now,
-                                                 reg=reg, last_want=now)
+                engine = reg.get("remote_engine_id")
+                self._receives[req_id] = Receive(req_id, engine, now, reg=reg, last_want=now)
                 self._next_timeout = min(self._next_timeout, now + self.timeout_s)
+                if engine is not None:
+                    self._by_engine.setdefault(engine, set()).add(req_id)
+                    host, port = reg.get("remote_host"), reg.get("remote_port")
+                    if isinstance(host, str) and type(port) is int:
+                        self._addresses[engine] = (host, port)
             while len(self._receives) > self._limit:
-                _, old = self._receives.popitem(last=False)
-                if old.state is ReceiveState.ABANDONED:
-                    self._abandoned -= 1
+                self._remove(next(iter(self._receives.values())))
 
     def timed_out(self, now: float) -> list[str]:
         """Receives still waiting `timeout_s` after they started (the caller gives them
@@ -147,15 +164,14 @@ class ReceiveLedger:
             if rec is None:
                 return ""
             if rec.state in (ReceiveState.QUEUED, ReceiveState.UNDELIVERED):
-                rec.state = ReceiveState.FAILING
+                self._set_state(rec, ReceiveState.FAILING)
                 rec.failure = ReceiveFailure.ABANDONED
                 rec.abandon = why
                 return "fail"
             if rec.state in (ReceiveState.SENDING, ReceiveState.REGISTERED):
-                rec.state = ReceiveState.ABANDONED
+                self._set_state(rec, ReceiveState.ABANDONED)
                 rec.abandon = why
-                rec.safe_at = max(rec.last_want, now) + self.hold_s
-                self._abandoned += 1
+                self._set_safe_at(rec, max(rec.last_want, now) + self.hold_s)
                 return "held"
             if rec.state is ReceiveState.ABANDONED and rec.abandon is None:
                 rec.abandon = why
@@ -163,16 +179,19 @@ class ReceiveLedger:
 
     def due(self, now: float) -> list[tuple[str, ReceiveAbandon | None]]:
         """Abandoned receives whose blocks no WRITE can reach any more: fail them now."""
-        if not self._abandoned:
+        heap = self._safe_points  # (only this thread pops: non-empty stays non-empty)
+        if not self._abandoned or not heap or heap[0][0] > now:
             return []
         out = []
         with self._lock:
-            for rec in self._receives.values():
-                if rec.state is ReceiveState.ABANDONED and rec.safe_at <= now:
-                    rec.state = ReceiveState.FAILING
-                    rec.failure = rec.failure or ReceiveFailure.ABANDONED
-                    self._abandoned -= 1
-                    out.append((rec.req_id, rec.abandon))
+            while heap and heap[0][0] <= now:
+                safe_at, _, req_id = heapq.heappop(heap)
+                rec = self._receives.get(req_id)
+                if rec is None or rec.state is not ReceiveState.ABANDONED or rec.safe_at != safe_at:
+                    continue  # (over, failed, or its safe point moved later: a later entry stands)
+                self._set_state(rec, ReceiveState.FAILING)
+                rec.failure = rec.failure or ReceiveFailure.ABANDONED
+                out.append((rec.req_id, rec.abandon))
         return out
 
     def fail(self, req_id: str, why: ReceiveFailure) -> bool:
@@ -182,9 +201,7 @@ class ReceiveLedger:
             rec = self._receives.get(req_id)
             if rec is None or rec.state is ReceiveState.FAILING:
                 return False
-            if rec.state is ReceiveState.ABANDONED:
-                self._abandoned -= 1
-            rec.state = ReceiveState.FAILING
+            self._set_state(rec, ReceiveState.FAILING)
             rec.failure = why
             return True
 
@@ -214,10 +231,9 @@ class ReceiveLedger:
             if self._fail_if_settled(rec):
                 return "fail"
             if rec.state is not ReceiveState.ABANDONED:
-                rec.state = ReceiveState.ABANDONED
+                self._set_state(rec, ReceiveState.ABANDONED)
                 rec.abandon = None
-                rec.safe_at = max(rec.last_want, now) + self.hold_s
-                self._abandoned += 1
+                self._set_safe_at(rec, max(rec.last_want, now) + self.hold_s)
             return "wait"
 
     def _fail_if_settled(self, rec: Receive) -> bool:
@@ -225,9 +241,7 @@ class ReceiveLedger:
             return False
         if rec.state is ReceiveState.FAILING:
             return False
-        if rec.state is ReceiveState.ABANDONED:
-            self._abandoned -= 1
-        rec.state = ReceiveState.FAILING
+        self._set_state(rec, ReceiveState.FAILING)
         return True
 
     def handshake_failed(self, req_id: str, now: float) -> str:
@@ -240,26 +254,24 @@ class ReceiveLedger:
             if rec is None or rec.state in (ReceiveState.FAILING, ReceiveState.ABANDONED):
                 return ""
             if not rec.agents:
-                rec.state = ReceiveState.FAILING
+                self._set_state(rec, ReceiveState.FAILING)
                 rec.failure = ReceiveFailure.HANDSHAKE_FAILED
                 return "fail"
-            rec.state = ReceiveState.ABANDONED
+            self._set_state(rec, ReceiveState.ABANDONED)
             rec.abandon = ReceiveAbandon.PEER_UNREACHABLE
-            rec.safe_at = max(rec.last_want, now) + self.hold_s
-            self._abandoned += 1
+            self._set_safe_at(rec, max(rec.last_want, now) + self.hold_s)
             return "held"
 
     def over(self, req_id: str) -> ReceiveFailure | None:
         """vLLM reported the receive finished (landed or failed): why we failed it."""
         with self._lock:
-            rec = self._receives.pop(req_id, None)
+            rec = self._receives.get(req_id)
             self._ended[req_id] = None
             while len(self._ended) > self._limit:
                 self._ended.popitem(last=False)
             if rec is None:
                 return None
-            if rec.state is ReceiveState.ABANDONED:
-                self._abandoned -= 1
+            self._remove(rec)
             return rec.failure
 
     def reached_prefill(self, req_id: str) -> bool:
@@ -274,41 +286,41 @@ class ReceiveLedger:
         to a process that never had the request)."""
         agents = frozenset(map(agent_name, agents))
         with self._lock:
-            return [r.req_id for r in self._receives.values()
-                    if r.engine == engine_id and r.agents and r.agents <= agents
+            recs = [self._receives[r] for r in self._by_engine.get(engine_id, ())]
+            return [r.req_id for r in recs if r.agents and r.agents <= agents
                     and r.state is not ReceiveState.FAILING]
 
     def waiting_on(self, engine_id: str) -> list[str]:
         """Receives still waiting for this engine (not abandoned, not over)."""
         with self._lock:
-            return [r.req_id for r in self._receives.values() if r.engine == engine_id
-                    and r.state in _WAITING]
+            return [r for r in self._by_engine.get(engine_id, ())
+                    if self._receives[r].state in _WAITING]
 
     def engines_waited_on(self) -> set[str]:
         """Prefills that hold a PUSH_REG of a receive still waiting."""
         with self._lock:
-            return {r.engine for r in self._receives.values() if r.engine is not None
-                    and r.state is ReceiveState.REGISTERED}
+            return {r.engine for r in self._registered.values() if r.engine is not None}
 
     def address_of(self, engine_id: str) -> tuple[str, int] | None:
         """The side-channel address of a prefill, from a registration that names it."""
         with self._lock:
-            for rec in self._receives.values():
-                reg = rec.reg
-                if rec.engine == engine_id and reg and isinstance(reg.get("remote_host"), str) \
-                        and isinstance(reg.get("remote_port"), int):
-                    return reg["remote_host"], reg["remote_port"]
-            return None
+            return self._addresses.get(engine_id) if self._by_engine.get(engine_id) else None
 
     def due_resend(self, now: float, every_s: float) -> list[tuple[str, dict[str, Any]]]:
         """Registered receives whose KV has not come `every_s` after their PUSH_REG last
         left: it is sent again (a notification can be lost; P drops a repeat of one it
         has, and answers again one it refused)."""
         with self._lock:
+            due = []
+            for rec in self._registered.values():  # (oldest send first)
+                if now - rec.sent_at < every_s:
+                    break
+                due.append(rec)
             out = []
-            for rec in self._receives.values():
-                if rec.state is ReceiveState.REGISTERED and rec.reg and now - rec.sent_at >= every_s:
-                    rec.sent_at = now
+            for rec in due:
+                rec.sent_at = now
+                self._registered.move_to_end(rec.req_id)
+                if rec.reg:
                     out.append((rec.req_id, rec.reg))
             return out
 
@@ -324,7 +336,7 @@ class ReceiveLedger:
                 return 0
             if rec.state in _WAITING:
                 again = 2 if rec.sent_at else 1
-                rec.state = ReceiveState.SENDING
+                self._set_state(rec, ReceiveState.SENDING)
                 return again
             return 0
 
@@ -343,16 +355,44 @@ class ReceiveLedger:
                 rec.last_want = max(rec.last_want, now)
                 rec.sent_at = now
                 if rec.state is ReceiveState.SENDING:
-                    rec.state = ReceiveState.REGISTERED
-                elif rec.state is ReceiveState.ABANDONED:
-                    rec.safe_at = max(rec.safe_at, now + self.hold_s)
+                    self._set_state(rec, ReceiveState.REGISTERED)
+                elif rec.state is ReceiveState.ABANDONED and now + self.hold_s > rec.safe_at:
+                    self._set_safe_at(rec, now + self.hold_s)
                 return False
             if rec.state is ReceiveState.SENDING:
-                rec.state = ReceiveState.UNDELIVERED
+                self._set_state(rec, ReceiveState.UNDELIVERED)
                 return False
             if rec.state is ReceiveState.ABANDONED and not rec.agents:
-                self._abandoned -= 1
-                rec.state = ReceiveState.FAILING
+                self._set_state(rec, ReceiveState.FAILING)
                 rec.failure = ReceiveFailure.ABANDONED
                 return True
             return False
+
+    # -------------------------------------------------------------- internals
+    def _set_state(self, rec: Receive, state: ReceiveState) -> None:
+        """The one place a receive changes state: the indexes follow."""
+        old = rec.state
+        if old is state:
+            return
+        self._abandoned += (state is ReceiveState.ABANDONED) - (old is ReceiveState.ABANDONED)
+        if old is ReceiveState.REGISTERED:
+            del self._registered[rec.req_id]
+        elif state is ReceiveState.REGISTERED:
+            self._registered[rec.req_id] = rec  # (its PUSH_REG just reached P: the newest)
+        rec.state = state
+
+    def _set_safe_at(self, rec: Receive, safe_at: float) -> None:
+        rec.safe_at = safe_at
+        self._pushed_safe_points += 1
+        heapq.heappush(self._safe_points, (safe_at, self._pushed_safe_points, rec.req_id))
+
+    def _remove(self, rec: Receive) -> None:
+        """Take a receive out of the ledger (its indexes with it)."""
+        self._set_state(rec, ReceiveState.FAILING)
+        del self._receives[rec.req_id]
+        engine_receives = self._by_engine.get(rec.engine)
+        if engine_receives is not None:
+            engine_receives.discard(rec.req_id)
+            if not engine_receives:
+                del self._by_engine[rec.engine]
+                self._addresses.pop(rec.engine, None)
