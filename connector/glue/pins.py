@@ -90,7 +90,8 @@ WHY_PINNED: dict[str, str] = {
     "NixlBaseConnectorWorker._log_failure": "re-implemented in worker.py (same logger, line and keys)",
     "NixlBaseConnectorWorker._handle_heartbeat": "re-implemented in leases.py (renewal by request id)",
     "NixlBaseConnectorWorker._reap_expired_send_leases":
-        "relied on by leases.py: frees every expired lease wherever it sits in the map",
+        "relied on by leases.py: it releases the expired entries of the `_reqs_to_send` it finds "
+        "(the fork puts a map of the due leases there for the call) and touches no other",
     "NixlPushConnectorWorker._handle_push_reg_notif":
         "re-implemented in push.py (a bad PUSH_REG costs no other request)",
     "NixlPushConnectorWorker.start_load_kv":
