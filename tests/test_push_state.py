@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 
 import pytest
 from hypothesis import settings
@@ -629,3 +630,51 @@ def test_each_heartbeat_id_is_counted_by_what_it_matched(hb: str, outcome: Lease
     leases.note_batch([p_id("prefilling")], [])
     leases.ended([p_id("done")])
     assert leases.renew([reg(hb)["request_id"]], None, 1.0, 0)[0] == {outcome.value: 1}
+
+
+# ------------------------------------------------------------------ cost
+class CountingDict(OrderedDict):
+    """An OrderedDict that counts how often it is walked (iteration, keys, values, items)."""
+
+    walks = 0
+
+    def __iter__(self):
+        CountingDict.walks += 1
+        return super().__iter__()
+
+    def values(self):
+        CountingDict.walks += 1
+        return super().values()
+
+    def items(self):
+        CountingDict.walks += 1
+        return super().items()
+
+
+def test_a_step_walks_no_table_of_what_is_held():
+    """With 5,000 leases held and 5,000 receives waiting, the per-step calls (reap, settle,
+    timeouts, safe points, registration deadlines) walk none of the owners' tables: they
+    read their indexes of what is due. (Counted walks, not time: benchmarks/scale.py
+    measures the time.)"""
+    leases, receives = ledger(limit=100000), ReceiveLedger(hold_s=40.0, timeout_s=480.0)
+    held = {p_id(f"h{i}"): 1000.0 for i in range(5000)}
+    leases.grant(held, None, 0.0)
+    receives.start({f"d{i}": {"remote_engine_id": "p"} for i in range(5000)}, now=0.0)
+    for i in range(5000):
+        receives.begin_send(f"d{i}")
+        receives.sent(f"d{i}", {}, frozenset({"a1"}), now=1.0)
+    leases.grant({p_id("w"): 1000.0}, None, 0.0)  # one push in flight
+    assert leases.claim(p_id("w"), reg("w"), None, None, now=1.0) is None
+    assert leases.begin_post(p_id("w"), None, now=1.0) is None
+    leases.posted(p_id("w"), 1)
+    leases._leases = CountingDict(leases._leases)
+    receives._receives = CountingDict(receives._receives)
+    CountingDict.walks = 0
+    for step in range(10):
+        now = 2.0 + step
+        assert leases.plan_reap(now, held) == []
+        assert leases.settle([], {p_id("w")}, now) == []
+        assert leases.overdue(now) == []
+        assert receives.due(now) == [] and receives.timed_out(now) == []
+        assert receives.due_resend(now, every_s=100.0) == []
+    assert CountingDict.walks == 0
