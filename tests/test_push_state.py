@@ -671,7 +671,7 @@ def test_a_step_walks_no_table_of_what_is_held():
     receives._receives = CountingDict(receives._receives)
     CountingDict.walks = 0
     for step in range(10):
-        now = 2.0 + step
+        now = 2.0 + step / 10
         assert leases.plan_reap(now, held) == []
         assert leases.settle([], {p_id("w")}, now) == []
         assert leases.overdue(now) == []
