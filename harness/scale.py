@@ -10,7 +10,10 @@ commands serve the fork and stock vLLM, side by side. Mixed into `harness.engine
 
 from __future__ import annotations
 
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import threading
 import time
@@ -151,6 +154,17 @@ class ScaleCommands:
         current, _ = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         return current
+
+    def cmd_profile_steps(self, steps: int, top: int = 25) -> str:
+        """The `top` functions by own time over `steps` engine steps (cProfile), as text."""
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(steps):
+            self.step()
+        profile.disable()
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+        return out.getvalue()
 
     def cmd_pid(self) -> int:
         return os.getpid()

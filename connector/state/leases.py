@@ -136,7 +136,9 @@ class LeaseLedger:
         self._limit = limit
         self._lock = threading.Lock()
         self._leases: OrderedDict[str, Lease] = OrderedDict()
-        self._by_key: dict[str, set[str]] = {}  # any key -> live P request ids
+        # Any key -> the live (or prefilling) P request ids it names: a tuple (one id, as a
+        # rule; a set per key cost 200 bytes a lease).
+        self._by_key: dict[str, tuple[str, ...]] = {}
         self._prefilling: dict[str, tuple[str, ...]] = {}  # in the batch, not finished
         # D request id -> what became of its PUSH_REG ("pending", "claimed", "pushed",
         # "failed", "refused") and, for the last two, what its decoder was told: a
@@ -221,7 +223,7 @@ class LeaseLedger:
                 self._live += 1
                 self._push_deadline(lease)
                 for key in keys:
-                    self._by_key.setdefault(key, set()).add(req_id)
+                    self._index(key, req_id)
             self._trim()
 
     def note_batch(self, added: Iterable[str], removed: Iterable[str]) -> None:
@@ -232,7 +234,7 @@ class LeaseLedger:
                     keys = request_keys(req_id, self._base_of)
                     self._prefilling[req_id] = keys
                     for key in keys:
-                        self._by_key.setdefault(key, set()).add(req_id)
+                        self._index(key, req_id)
             for req_id in removed:
                 keys = self._prefilling.pop(req_id, None)
                 if keys is not None and req_id not in self._leases:
@@ -259,8 +261,11 @@ class LeaseLedger:
             while heap and heap[0][0] <= now:
                 deadline, _, req_id = heapq.heappop(heap)
                 lease = self._leases.get(req_id)
-                if lease is None or lease.state is not LeaseState.HELD or lease.deadline != deadline:
-                    continue  # (moved on, or renewed: a later entry stands for it)
+                if lease is None or lease.state is not LeaseState.HELD or lease.deadline < deadline:
+                    continue  # (moved on; or an earlier entry of its own stood for it)
+                if lease.deadline > now:  # renewed since its entry was pushed: it moves
+                    self._push_deadline(lease)
+                    continue
                 if req_id not in holds:
                     continue  # (vLLM let it go this step: its end reaches `ended`)
                 released.append(Released(req_id, self._fate(lease), deadline < previous))
@@ -309,9 +314,9 @@ class LeaseLedger:
                     self._unindex(req_id, lease.keys)
                 else:
                     new = max(lease.deadline, deadline) if lease.wanted else deadline
-                    if new != lease.deadline:
-                        lease.deadline = new
-                        self._push_deadline(lease)
+                    if new < lease.deadline:
+                        self._push_deadline(lease, new)  # (earlier than its heap entry)
+                    lease.deadline = new
 
     def settle(self, finished_sending: Iterable[str], open_writes: set[str],
                now: float = 0.0) -> list[Settled]:
@@ -403,8 +408,7 @@ class LeaseLedger:
                 if targets:
                     for lease in targets:
                         if lease.state is LeaseState.HELD and new_deadline > lease.deadline:
-                            lease.deadline = new_deadline
-                            self._push_deadline(lease)
+                            lease.deadline = new_deadline  # (its heap entry is moved when popped)
                         lease.wanted = True
                         if want_d is not None and (lease.want_d is None or want_d > lease.want_d):
                             lease.want_d = want_d
@@ -620,7 +624,12 @@ class LeaseLedger:
 
     def _live_for(self, hb_id: str) -> list[Lease]:
         """The live leases a heartbeat id names (by internal, base or router id)."""
-        for key in self._hb_keys(hb_id):
+        ids = self._by_key.get(hb_id)  # (the usual case: no base id to compute)
+        if ids:
+            found = [self._leases[r] for r in ids if r in self._leases and self._leases[r].state in _LIVE]
+            if found:
+                return found
+        for key in self._hb_keys(hb_id)[1:]:
             found = [self._leases[r] for r in self._by_key.get(key, ())
                      if r in self._leases and self._leases[r].state in _LIVE]
             if found:
@@ -632,7 +641,7 @@ class LeaseLedger:
                    for r in self._by_key.get(key, ()))
 
     def _live_ids(self, base: str) -> set[str]:
-        ids = self._by_key.get(base) or set()
+        ids = self._by_key.get(base, ())
         return {r for r in ids if r in self._prefilling
                 or (r in self._leases and self._leases[r].state in _LIVE)}
 
@@ -697,22 +706,33 @@ class LeaseLedger:
             del self._failed[lease.req_id]
         del self._leases[lease.req_id]
 
-    def _push_deadline(self, lease: Lease) -> None:
+    def _push_deadline(self, lease: Lease, deadline: float | None = None) -> None:
+        """A heap entry for the HELD lease at `deadline` (its own by default). A renewal
+        pushes none: the entry is moved when it is popped before the new deadline, so a
+        heartbeat costs no heap work and each lease has one entry, or two briefly."""
         heap = self._deadlines
-        if len(heap) > 4 * self._live + 1024:  # mostly entries of leases gone or renewed
+        if len(heap) > 2 * self._live + 1024:  # mostly entries of leases gone
             heap[:] = [(le.deadline, n, le.req_id) for n, le in enumerate(self._leases.values())
                        if le.state is LeaseState.HELD]
             heapq.heapify(heap)
             self._pushed_deadlines = len(heap)
         self._pushed_deadlines += 1
-        heapq.heappush(heap, (lease.deadline, self._pushed_deadlines, lease.req_id))
+        heapq.heappush(heap, (lease.deadline if deadline is None else deadline, self._pushed_deadlines,
+                              lease.req_id))
+
+    def _index(self, key: str, req_id: str) -> None:
+        ids = self._by_key.get(key, ())
+        if req_id not in ids:
+            self._by_key[key] = (*ids, req_id)
 
     def _unindex(self, req_id: str, keys: tuple[str, ...]) -> None:
         for key in keys:
             ids = self._by_key.get(key)
-            if ids is not None:
-                ids.discard(req_id)
-                if not ids:
+            if ids is not None and req_id in ids:
+                rest = tuple(r for r in ids if r != req_id)
+                if rest:
+                    self._by_key[key] = rest
+                else:
                     del self._by_key[key]
 
     def _note_registration(self, d_request_id: str, what: str,
