@@ -437,6 +437,6 @@ def quiet_parent_logs(path: Path) -> None:
 
 
 def replay_command(seed: int, requests: int) -> str:
-    return f"python -m harness.campaign --seeds {seed} --requests {requests}"
+    return f"python -m harness.campaign --seeds {seed}-{seed} --requests {requests}"
 
 
