@@ -37,7 +37,7 @@ real = pytest.mark.real  # the tests of the `backends` fixture: real engines
 QUEUE = 16
 BATCH = 8
 # The deadline of the pushes that run while an export attempt is held.
-PUSH_TIMEOUT_S = 30.0
+PUSH_TIMEOUT_S = 12.0
 # The exporter's budget per export, its retries included. It is a deadline, not what the
 # test waits on: it covers the held pushes' deadline, so the exporter does not give up on
 # a held attempt before those pushes have landed (or failed). Once released, a slow
