@@ -120,8 +120,8 @@ test: setup lint check-dashboards
 # The short fault campaign runs in lane 1 (seeds 5, P TP2, and 9, D TP2, and the deliberate defect that must
 # end with wrong bytes) and lane 3 (seed 9: the whole push path on the newest release); lane 2 runs the
 # push-state unit tests and the push flow through 0.33's worker, and the guard checks 0.33's pinned sources.
-# Injected data-path faults run in lanes 1 and 3 (the steps they break are the fork's own). All of this keeps
-# .ci/run inside its 25 minutes cold.
+# Injected data-path faults run in lanes 1 and 3 (the steps they break are the fork's own); what .ci/run takes:
+# docs/vllm-on-cpu.md.
 # Everything else runs on 0.32 only: what does not depend on the vLLM version (router, dashboards, real
 # Prometheus, OTLP export and back-end faults, metric registry, exemplar encoding, tracing set-up, span
 # placement and joins, config refusal, the benchmark smoke, the load test, the deployment) and the longer
