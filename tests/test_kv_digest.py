@@ -37,14 +37,14 @@ def _reference(cache: torch.Tensor, blocks: list[int], layer: int, head0: int) -
     _, heads, slots, channels = cache.shape
     total = 0
     for pos, block in enumerate(blocks):
-        per_block = 0
-        for h in range(heads):
-            for s in range(slots):
+        for s in range(slots):
+            per_token = 0
+            for h in range(heads):
                 for c in range(channels):
                     bits = struct.unpack("<i", struct.pack("<f", float(cache[block, h, s, c])))[0]
-                    key = ((head0 + h) * slots + s) * channels + c + (layer + 1) * 0x9E3779B97F4A7C15
-                    per_block += bits * (_mix(key) | 1)
-        total += per_block * (_mix(pos + 0x632BE59BD9B4E019) | 1)
+                    key = (head0 + h) * channels + c + (layer + 1) * 0x9E3779B97F4A7C15
+                    per_token += bits * (_mix(key) | 1)
+            total += per_token * (_mix(pos * slots + s + 0x632BE59BD9B4E019) | 1)
     return total & MASK
 
 
@@ -73,6 +73,25 @@ def test_each_decode_rank_matches_the_prefill_slice_of_its_heads() -> None:
         assert _one(p_slice, blocks, head0=2 * rank) == _one(d_rank, blocks, head0=2 * rank)
     # (the head index is global: the same values as another head range differ)
     assert _one(p[:, 0:2], blocks, head0=0) != _one(p[:, 0:2], blocks, head0=2)
+
+
+def test_the_digest_does_not_depend_on_the_block_size() -> None:
+    """P with blocks of 16 tokens, D with blocks of 8 (or kernel blocks smaller than
+    the logical ones): the same tokens give the same digest."""
+    p = _cache(8)
+    p_blocks = [4, 1, 6]
+    tokens = p[p_blocks].permute(1, 0, 2, 3).reshape(HEADS, -1, CHANNELS)  # [H, 48, C]
+    d = tokens.reshape(HEADS, 6, SLOTS // 2, CHANNELS).permute(1, 0, 2, 3).contiguous()
+    assert _one(p, p_blocks) == _one(d, list(range(6)))
+
+
+def test_the_digest_of_a_head_range_is_the_sum_of_its_parts() -> None:
+    """P TP2 -> D TP1: D adds up the two P ranks' digests of their heads."""
+    p = _cache(9)
+    blocks = [2, 7, 3]
+    whole = _one(p, blocks)
+    parts = _one(p[:, :1], blocks, head0=0) + _one(p[:, 1:], blocks, head0=1)
+    assert whole == parts & MASK
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

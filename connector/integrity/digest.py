@@ -3,13 +3,15 @@
 What it covers: for each layer, the K/V values of a run of blocks (the WRITE's blocks,
 in the order the request uses them) and the heads this rank holds, named by their
 global head index. Addresses, descriptor ids and block ids do not enter it, so P and D
-compute the same digest over the same KV even when their block ids, TP split or
-descriptor layout differ.
+compute the same digest over the same KV even when their block ids, block sizes, TP
+split or descriptor layout differ.
 
 How: each value's bits (the dtype's own width, widened to int64) are multiplied by an
-odd weight drawn from (layer, global head, slot in block, channel), and summed per
-block; the per-block sums are multiplied by an odd weight of the block's position in
-the run and summed. Everything wraps modulo 2^64. It is a handful of torch kernels on
+odd weight drawn from (layer, global head, channel), and summed per token; the
+per-token sums are multiplied by an odd weight of the token's position in the run
+(block position x block size + slot) and summed. Everything wraps modulo 2^64. Being
+a sum over heads, the digest of a head range is the sum of the digests of its parts:
+D adds up what each P rank sent for its heads. It is a handful of torch kernels on
 the cache's own device (CPU here, CUDA in production), with one small read back to the
 host per layer set: the KV itself never leaves the device.
 
@@ -53,19 +55,17 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=256)
-def _value_weights(layer: int, head0: int, heads: int, slots: int, channels: int,
-                   device: str) -> torch.Tensor:
-    """Odd weights [heads, slots, channels] for global heads head0..head0+heads."""
+def _value_weights(layer: int, head0: int, heads: int, channels: int, device: str) -> torch.Tensor:
+    """Odd weights [heads, 1, channels] for global heads head0..head0+heads."""
     h = torch.arange(head0, head0 + heads, dtype=torch.int64, device=device).view(-1, 1, 1)
-    s = torch.arange(slots, dtype=torch.int64, device=device).view(1, -1, 1)
     c = torch.arange(channels, dtype=torch.int64, device=device).view(1, 1, -1)
-    key = ((h * slots + s) * channels + c) + _signed((layer + 1) * _GOLDEN)
+    key = (h * channels + c) + _signed((layer + 1) * _GOLDEN)
     return _mix(key) | 1
 
 
 @lru_cache(maxsize=64)
 def _position_weights(count: int, device: str) -> torch.Tensor:
-    """Odd weights for a block's position in the run (a swap or a shift shows)."""
+    """Odd weights for a token's position in the run (a swap or a shift shows)."""
     pos = torch.arange(count, dtype=torch.int64, device=device) + _signed(0x632BE59BD9B4E019)
     return _mix(pos) | 1
 
@@ -88,9 +88,9 @@ def layer_digest(cache: torch.Tensor, block_ids: list[int], *, layer: int, head0
     device = str(cache.device)
     ids = torch.as_tensor(block_ids, dtype=torch.int64, device=cache.device)
     bits = _as_bits(cache.index_select(0, ids))  # [n, heads, slots, channels]: one gather
-    weights = _value_weights(layer, head0, heads, slots, channels, device)
-    per_block = (bits * weights).sum(dim=(1, 2, 3))  # wraps modulo 2^64
-    return (per_block * _position_weights(len(block_ids), device)).sum()
+    weights = _value_weights(layer, head0, heads, channels, device)
+    per_token = (bits * weights).sum(dim=(1, 3)).reshape(-1)  # [n * slots], wraps modulo 2^64
+    return (per_token * _position_weights(per_token.numel(), device)).sum()
 
 
 @dataclass(frozen=True)
