@@ -223,6 +223,28 @@ class InternalStep(_Vocab):
     WRITER_PASS = "writer_pass"  # writer: its due work (owed PUSH_FAILs, unmatched PUSH_REGs)
     STEP = "step"  # main: the step's push state (peers tended, receives timed out, results)
     PEER_RESTART = "peer_restart"  # D: failing the receives of a prefill that restarted
+    KV_DIGEST = "kv_digest"  # P: a WRITE's KV digest (sent as skipped); D: a receive's check (failed)
+
+
+class KvVerifyOutcome(_Vocab):
+    """D's check of a received request's KV against the digest its prefill sent."""
+
+    MATCH = "match"  # every layer's digest equal
+    MISMATCH = "mismatch"  # some layer differed: failed (kv_verify_action=fail) or observed
+    SKIPPED = "skipped"  # sampled, but not checkable: see KvVerifySkip
+
+
+class KvVerifySkip(_Vocab):
+    """Why a sampled receive was not checked (span attribute and DEBUG log; not a label)."""
+
+    STOCK_PREFILL = "stock_prefill"  # no digest came: a stock prefill, or one with verify off
+    INCOMPLETE = "incomplete"  # digests of some layers or ranks did not come
+    SHAPE = "shape"  # a layout the digest does not cover (see docs/reliability.md)
+
+
+class KvVerifyAction(_Vocab):
+    FAIL = "fail"  # a mismatch fails the receive: kv_load_failure_policy decides
+    OBSERVE = "observe"  # a mismatch is counted and logged; the request decodes anyway
 
 
 class LeaseRenewal(_Vocab):
@@ -286,6 +308,8 @@ class SpanEvent(_Vocab):
     # the PUSH_REG came later) and the WRITE posted (the handshake and writer wait over).
     PREFILL_DONE = "nixl.push.prefill_done"
     WRITE_POSTED = "nixl.push.write_posted"
+    # D's receive span: the KV digest differed (attributes: the layers and blocks).
+    KV_MISMATCH = "nixl.kv_verify.mismatch"
 
 
 class Attr:
@@ -321,6 +345,12 @@ class Attr:
     KV_WAIT = "vllm.nixl.push.kv_wait_s"
     # P's write span: seconds from the prefill done until the WRITE was posted.
     WRITE_WAIT = "vllm.nixl.push.write_wait_s"
+    # D's receive span: the KV check's verdict (KvVerifyOutcome), and why it was
+    # skipped; on the mismatch event: the layers and the block range that differed.
+    KV_VERIFY = "vllm.nixl.kv_verify"
+    KV_VERIFY_SKIPPED = "vllm.nixl.kv_verify.skipped_because"
+    KV_VERIFY_LAYERS = "vllm.nixl.kv_verify.layers"
+    KV_VERIFY_BLOCKS = "vllm.nixl.kv_verify.blocks"
     SERVER_ADDRESS = "server.address"
     SERVER_PORT = "server.port"
     ERROR_TYPE = "error.type"
@@ -354,6 +384,12 @@ CAP_PUSH_FAIL = "push_fail"
 # Payload: msgpack {"request_id": D's request id, "reason": PushFailReason value}.
 PUSH_FAIL_NOTIF_PREFIX = b"NIXL_OBSERVED_PUSH_FAIL:"
 MAX_PUSH_FAIL_BYTES = 1024
+# KV integrity: a fork decoder that sampled a request sets this PUSH_REG key (a stock
+# prefill ignores it); a fork prefill then sends, before the request's WRITE to each
+# decoder rank, a KV digest notification to that rank's agent (connector/integrity).
+PUSH_REG_KV_DIGEST_KEY = "nixl_observed_kv_digest"
+KV_DIGEST_NOTIF_PREFIX = b"NIXL_OBSERVED_KV_DIGEST:"
+MAX_KV_DIGEST_BYTES = 64 * 1024  # 4,096 layers x (index, value): far past any model
 
 # W3C trace-context headers vLLM keeps in `Request.trace_headers` (and we carry).
 TRACE_HEADER_KEYS = ("traceparent", "tracestate")
@@ -397,7 +433,8 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     Label.OUTCOME: tuple(dict.fromkeys(
         [o.value for o in Outcome] + [o.value for o in NotifOutcome] + [e.value for e in PushEvent]
         + [r.value for r in ReceiveOutcome] + [r.value for r in LeaseRenewal]
-        + [o.value for o in PushFailOutcome] + [o.value for o in WriteAbort])),
+        + [o.value for o in PushFailOutcome] + [o.value for o in WriteAbort]
+        + [o.value for o in KvVerifyOutcome])),
     Label.PHASE: tuple(p.value for p in Phase),
     Label.ERROR_TYPE: tuple(e.value for e in ErrorType),
     Label.LIST: tuple(x.value for x in DescriptorList),
@@ -725,6 +762,26 @@ INTERNAL_ERRORS = MetricSpec(
     "decoder told, a receive given up), never left waiting; the ERROR log line has the "
     "traceback.",
 )
+KV_DIGEST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 1.0)
+KV_VERIFY = MetricSpec(
+    "vllm:nixl_push_kv_verify",
+    MetricKind.COUNTER,
+    (Label.OUTCOME,),
+    "Sampled KV receives a decode worker checked against the digest its prefill computed "
+    "before the WRITE (kv_verify_ratio): match, mismatch (the KV is not what was sent: "
+    "failed and recomputed, or only logged with kv_verify_action=observe), or skipped (no "
+    "digest came: a stock or verify-off prefill, or a layout not covered).",
+)
+KV_DIGEST_DURATION = MetricSpec(
+    "vllm:nixl_push_kv_digest_seconds",
+    MetricKind.HISTOGRAM,
+    (),
+    "Time one KV digest took on this engine's worker (a prefill: before each WRITE of a "
+    "sampled request; a decode: after its KV landed, before its first decode step).",
+    unit="s",
+    buckets=KV_DIGEST_BUCKETS,
+)
 PEERS_FORGOTTEN = MetricSpec(
     "vllm:nixl_peers_forgotten",
     MetricKind.COUNTER,
@@ -770,6 +827,8 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     RECEIVES_ABANDONED,
     PEERS_FORGOTTEN,
     INTERNAL_ERRORS,
+    KV_VERIFY,
+    KV_DIGEST_DURATION,
 )
 
 # ------------------------------------------------ start-up guard (connector/glue/guard.py)
@@ -897,6 +956,8 @@ class StatKey:
     RECEIVES_ABANDONED = "receives_abandoned"  # list of ReceiveAbandon values
     PEERS_FORGOTTEN = "peers_forgotten"  # list of direction values
     INTERNAL_ERRORS = "internal_errors"  # list of InternalStep values
+    KV_VERIFY = "kv_verify"  # list of KvVerifyOutcome values
+    KV_DIGEST_SECONDS = "kv_digest_seconds"  # list of seconds
 
 
 OUR_STAT_KEYS = (
@@ -928,6 +989,8 @@ OUR_STAT_KEYS = (
     StatKey.RECEIVES_ABANDONED,
     StatKey.PEERS_FORGOTTEN,
     StatKey.INTERNAL_ERRORS,
+    StatKey.KV_VERIFY,
+    StatKey.KV_DIGEST_SECONDS,
 )
 
 # What a fork decoder adds to its PUSH_REG and heartbeats (a stock prefill ignores it):

@@ -432,16 +432,18 @@ def test_push_fail_round_trip_and_what_is_refused():
 
 def test_the_router_hands_each_kind_to_its_owner_and_a_fault_costs_one_notification():
     """vLLM's writer reads a batch through the router: contact for every agent, heartbeats
-    and PUSH_FAILs to their owners (not forwarded), PUSH_REGs and completions forwarded
+    PUSH_FAILs and KV digests to their owners (not forwarded), PUSH_REGs and completions forwarded
     (completions also to D's receive ledger), then the writer's due work. A handler that
     raises costs its one notification: the rest of the batch is handled, a completion
     still reaches vLLM, and a lost PUSH_FAIL's receive is given up."""
     from connector.glue.notifications import NotificationRouter, Owners
     from connector.glue.wire import encode_push_fail
+    from connector.integrity.wire import KvDigestNotif, encode_kv_digest
     from connector.vocabulary import PushFailReason
 
     fail = encode_push_fail("cmpl-7-0123abcd", PushFailReason.LEASE_EXPIRED)
-    batch = {"a1": [b"PUSH_REG:x", b"HB:r1", fail, b"d-1:1"], "a2": [b"HB:bad", b"d-2:1"]}
+    kvd = encode_kv_digest(KvDigestNotif("d-1", 0, [0], [7], 32))
+    batch = {"a1": [b"PUSH_REG:x", b"HB:r1", fail, kvd, b"d-1:1"], "a2": [b"HB:bad", b"d-2:1"]}
     seen: list[tuple[str, object]] = []
 
     def heartbeat(agent, m):
@@ -464,12 +466,13 @@ def test_the_router_hands_each_kind_to_its_owner_and_a_fault_costs_one_notificat
     router = NotificationRouter(Agent(), Owners(
         contact=lambda agent, now: seen.append(("contact", agent)), heartbeat=heartbeat,
         push_fail=push_fail, push_fail_lost=lambda m: seen.append(("lost", m)),
-        completion=completion, after_pass=lambda: seen.append(("pass", None)),
+        completion=completion, kv_digest=lambda agent, m: seen.append(("kvd", m)),
+        after_pass=lambda: seen.append(("pass", None)),
         fault=lambda step, what: seen.append(("fault", step.value))))
     forwarded = router.get_new_notifs()
     assert forwarded == {"a1": [b"PUSH_REG:x", b"d-1:1"], "a2": [b"d-2:1"]}
     assert seen == [("contact", "a1"), ("hb", b"HB:r1"), ("fault", "notification"), ("lost", fail),
-                    ("done", b"d-1:1"), ("contact", "a2"), ("fault", "notification"),
+                    ("kvd", kvd), ("done", b"d-1:1"), ("contact", "a2"), ("fault", "notification"),
                     ("fault", "notification"), ("pass", None)]
 
 

@@ -7,7 +7,8 @@ in a module of its own:
 - push.py `PushFlow` (P): PUSH_REG intake until the WRITE settled, PUSH_FAIL sent;
 - leases.py `LeaseFlow`: P's KV leases (renewal, expiry) and D's heartbeats;
 - peers.py `PeerFlow`: peers that stop working (dropped, re-handshaken, their requests
-  failed instead of left waiting).
+  failed instead of left waiting);
+- integrity.py `IntegrityFlow`: the KV digest P sends ahead of each WRITE, D's check.
 The push state itself (connections, leases, WRITEs, receives) lives in the owner
 objects of connector/state, each behind its own lock; the flows change it only through
 them. Every flow subclasses `Flow`. A flow uses its own methods, vLLM's, and only what
@@ -111,6 +112,10 @@ class Flow:
 
     def _init_peers(self) -> None:
         """PeerFlow: its timings, and P's idle-poll thread."""
+        raise NotImplementedError
+
+    def _init_integrity(self, extra: Any) -> None:
+        """IntegrityFlow: the verify policy, the digest inbox, its owned maps."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the worker
@@ -279,4 +284,33 @@ class Flow:
 
     def _tend_peers(self) -> None:
         """Main thread, each step while a peer is suspect, dropped or waited on."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------- IntegrityFlow offers
+    _digest_wanted: set[str]  # P (writer): requests whose WRITEs being posted carry a digest
+    _verify_wanted: dict[str, Any]  # D (main): sampled receives, until their KV landed
+
+    def _ask_for_digest(self, req_id: str, reg: dict[str, Any]) -> None:
+        """D (writer): ask for a KV digest in this PUSH_REG copy, if sampled."""
+        raise NotImplementedError
+
+    def _digest_asked(self, reg: dict[str, Any]) -> bool:
+        """P: this PUSH_REG asked for a KV digest (and P's ratio is not 0)."""
+        raise NotImplementedError
+
+    def _send_kv_digest(self, read_spec: Any, dst_engine_id: str, remote_request_id: str) -> None:
+        """P (writer, before vLLM posts the WRITE of `read_spec`): its digest to its D rank."""
+        raise NotImplementedError
+
+    def _kv_digest_from(self, agent: Any, message: bytes) -> None:
+        """D (writer, from the router): a P rank's KV digest."""
+        raise NotImplementedError
+
+    def _note_verify_wanted(self, registrations: dict[str, dict[str, Any]]) -> None:
+        """D (main): the receives handed over this step that are checked."""
+        raise NotImplementedError
+
+    def _verify_landed(self, results: KVConnectorTransferResults) -> None:
+        """D (main, after vLLM's step): check the sampled receives whose KV landed; a
+        mismatch fails the receive with `kv_verify_action=fail`."""
         raise NotImplementedError

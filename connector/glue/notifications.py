@@ -12,6 +12,8 @@ worker's `nixl_wrapper`, where that call lands, and routes the batch before vLLM
   forwarded (vLLM would apply it a step late, by an exact id that never matches);
 - `PUSH_FAIL:` (from a fork P): the receive ledger (`ReceiveFlow._push_fail_from`); not
   forwarded;
+- `KV digest` (from a fork P, on D): the digest inbox (`IntegrityFlow._kv_digest_from`);
+  not forwarded (vLLM would count it as a completion);
 - `PUSH_REG:` (from D): forwarded; vLLM's loop hands it to `_handle_push_reg_notif`
   (ours, connector/glue/push.py);
 - a completion `<D request>:<P TP>` (from P, on D): the receive ledger, that rank is done
@@ -37,7 +39,7 @@ from enum import Enum
 from typing import Any
 
 from connector.glue.wire import HEARTBEAT_PREFIX, PUSH_REG_PREFIX
-from connector.vocabulary import PUSH_FAIL_NOTIF_PREFIX, InternalStep
+from connector.vocabulary import KV_DIGEST_NOTIF_PREFIX, PUSH_FAIL_NOTIF_PREFIX, InternalStep
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class Kind(Enum):
     HEARTBEAT = "heartbeat"
     PUSH_FAIL = "push_fail"
     PUSH_REG = "push_reg"
+    KV_DIGEST = "kv_digest"
     COMPLETION = "completion"
 
 
@@ -56,6 +59,8 @@ def kind_of(message: bytes) -> Kind:
         return Kind.PUSH_FAIL
     if message.startswith(PUSH_REG_PREFIX):
         return Kind.PUSH_REG
+    if message.startswith(KV_DIGEST_NOTIF_PREFIX):
+        return Kind.KV_DIGEST
     return Kind.COMPLETION
 
 
@@ -72,6 +77,7 @@ class Owners:
     push_fail: Handler
     push_fail_lost: Callable[[bytes], None]
     completion: Handler | None
+    kv_digest: Handler | None  # None on a pure producer: a digest reaching it is dropped
     after_pass: Callable[[], None]
     fault: Callable[[InternalStep, str], None]  # log and count (the worker's `_internal_error`)
 
@@ -129,7 +135,9 @@ class NotificationRouter:
                     if owners.completion is None:
                         continue
                 handler = {Kind.HEARTBEAT: owners.heartbeat, Kind.PUSH_FAIL: owners.push_fail,
-                           Kind.COMPLETION: owners.completion}[kind]
+                           Kind.COMPLETION: owners.completion, Kind.KV_DIGEST: owners.kv_digest}[kind]
+                if handler is None:
+                    continue
                 try:
                     handler(agent, message)
                 except Exception:
@@ -143,6 +151,7 @@ class NotificationRouter:
                            "({} bytes, starts {!r}){}".format(kind.value, agent, len(message), message[:48], {
                                Kind.HEARTBEAT: ": the leases it names were not renewed by it",
                                Kind.PUSH_FAIL: ": its receive is given up (it fails at its safe point)",
+                               Kind.KV_DIGEST: ": its receive is not checked (counted skipped)",
                                Kind.COMPLETION: ": vLLM still counts it"}[kind]))
         if kind is Kind.PUSH_FAIL:
             try:

@@ -108,6 +108,7 @@ class ReceiveFlow(Flow):
         if PUSH_REG_CAPS_KEY not in reg_data:
             reg_data = {**reg_data, PUSH_REG_CAPS_KEY: OUR_CAPS}
             reg_data.pop(REGISTRATION_ARRIVAL_KEY, None)  # (D's own: P has no use for it)
+            self._ask_for_digest(req_id, reg_data)  # (KV integrity, if sampled)
         span = None
         if self._spans.enabled and send == 1:  # (a PUSH_REG sent again opens no new span)
             try:

@@ -38,12 +38,15 @@ PUSH_REGISTRATION_TIMEOUT = Setting("push_registration_timeout", None,
                                     derived="`decoder_kv_blocks_ttl`, else 480", vllms=True)
 KV_TRANSFER_CPU_AFFINITY = Setting("kv_transfer_cpu_affinity", "contain")
 NIXL_PROGRESS_DELAY_US = Setting("nixl_progress_delay_us", None, derived="unset")
+KV_VERIFY_RATIO = Setting("kv_verify_ratio", 1.0)
+KV_VERIFY_ACTION = Setting("kv_verify_action", "fail")
 
 SETTINGS: tuple[Setting, ...] = (
     HANDSHAKE_TIMEOUT_MS, HANDSHAKE_RETRIES, HANDSHAKE_RETRY_BACKOFF_S, HANDSHAKE_RETRY_BUDGET_S,
     HANDSHAKE_CONCURRENCY, EARLY_P_TO_D_HANDSHAKE, UNMATCHED_PUSH_REG_TIMEOUT_S, KV_LEASE_DURATION,
     PUSH_WRITE_TIMEOUT_S, PUSH_LEASE_MARGIN_S, PUSH_REG_RESEND_S, PEER_FORGET_AFTER_S,
-    PUSH_REGISTRATION_TIMEOUT, KV_TRANSFER_CPU_AFFINITY, NIXL_PROGRESS_DELAY_US,
+    PUSH_REGISTRATION_TIMEOUT, KV_TRANSFER_CPU_AFFINITY, NIXL_PROGRESS_DELAY_US, KV_VERIFY_RATIO,
+    KV_VERIFY_ACTION,
 )
 
 

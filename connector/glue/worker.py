@@ -37,6 +37,7 @@ from connector.glue.cpu_affinity import EXTRA_CONFIG_KEY as AFFINITY_KEY
 from connector.glue.guard import check_worker
 from connector.glue.handshakes import HandshakeFlow
 from connector.glue.host_settings import HostSettings
+from connector.glue.integrity import IntegrityFlow
 from connector.glue.leases import LeaseFlow
 from connector.glue.nixl_progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
 from connector.glue.notifications import NotificationRouter, Owners
@@ -83,7 +84,7 @@ _SUCCESS, _FAILURE, _EXPIRED = (o.value for o in (ReceiveOutcome.SUCCESS, Receiv
                                                   ReceiveOutcome.EXPIRED))
 
 
-class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFlow,
+class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFlow, IntegrityFlow,
                          NixlPushConnectorWorker):
     """See module docstring."""
 
@@ -115,6 +116,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         self._init_state(extra, resolve_tracer(getattr(obs, "otlp_traces_endpoint", None)))
         self._retry_policy = RetryPolicy.from_extra_config(extra)
         self._init_push(extra)
+        self._init_integrity(extra)
         self._init_leases()
         self._init_peers()
         # vLLM's writer reads NIXL notifications through this (connector/glue/notifications.py);
@@ -122,6 +124,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         self.nixl_wrapper = NotificationRouter(HandshakeCallObserver(self.nixl_wrapper), Owners(
             contact=self._connections.heard_from, heartbeat=self._renew_from,
             push_fail=self._push_fail_from, push_fail_lost=self._push_fail_lost,
+            kv_digest=self._kv_digest_from if self._kv_role != "kv_producer" else None,
             completion=self._write_landed_from if self._kv_role != "kv_producer" else None,
             after_pass=self._writer_due_work if self._kv_role != "kv_consumer" else _nothing,
             fault=self._internal_error))
@@ -145,6 +148,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         worker._retry_policy = RetryPolicy.from_extra_config(lambda key, default=None: get(key, default))
         worker._init_state(lambda key, default=None: get(key, default), tracer)
         worker._init_push(lambda key, default=None: get(key, default))
+        worker._init_integrity(lambda key, default=None: get(key, default))
         worker._init_leases()
         return worker
 
@@ -228,6 +232,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
             return super().start_load_kv(metadata)  # (vLLM skips the whole step on these ranks)
         if metadata.push_registrations:
             self._start_receives(metadata.push_registrations)
+            self._note_verify_wanted(metadata.push_registrations)
         given_up = getattr(metadata, METADATA_GIVEN_UP_ATTR, None)
         if given_up:
             for req_id in given_up:
@@ -274,6 +279,9 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         except Exception:
             self._internal_error(InternalStep.STEP, "tending peers and receives (tried again next step)")
         results = super().get_transfer_results()
+        if results.finished_recving and self._verify_wanted:
+            # KV integrity: before the scheduler sees the KV landed (a mismatch fails it).
+            self._verify_landed(results)
         completed, failures = (), {}
         try:
             if self._leases.writing or results.finished_sending:

@@ -84,7 +84,7 @@ def layer_digest(cache: torch.Tensor, block_ids: list[int], *, layer: int, head0
     tensors, each is its own entry (a layer index of its own)."""
     if cache.dim() != 4:
         raise ValueError(f"expected a [blocks, heads, block size, channels] view, got {tuple(cache.shape)}")
-    _, heads, slots, channels = cache.shape
+    _, heads, _, channels = cache.shape
     device = str(cache.device)
     ids = torch.as_tensor(block_ids, dtype=torch.int64, device=cache.device)
     bits = _as_bits(cache.index_select(0, ids))  # [n, heads, slots, channels]: one gather

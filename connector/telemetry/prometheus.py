@@ -138,6 +138,9 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._child(V.PEERS_FORGOTTEN, idx, direction.value)
             for step in V.InternalStep:
                 self._child(V.INTERNAL_ERRORS, idx, step.value)
+            for verdict in V.KvVerifyOutcome:
+                self._child(V.KV_VERIFY, idx, verdict.value)
+            self._child(V.KV_DIGEST_DURATION, idx)
         self._init_degraded_gauge(list(labelnames))
 
     # -- start-up guard verdict (connector/glue/guard.py) ----------------------------
@@ -210,6 +213,13 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._observe_push_stages(rec, idx)
             except Exception:
                 self._drop("push stages", rec, idx)
+        for seconds in data.get(StatKey.KV_DIGEST_SECONDS, ()):
+            try:
+                if not isinstance(seconds, int | float) or not 0 <= seconds < 3600:
+                    raise ValueError(f"bad digest time {seconds!r}")
+                self._child(V.KV_DIGEST_DURATION, idx).observe(seconds)
+            except Exception:
+                self._drop("KV digest time", seconds, idx)
         for key, spec, *label in _COUNTS:
             values = data.get(key)
             if not values:
@@ -365,6 +375,7 @@ _LABELLED = (
     (StatKey.RECEIVES_ABANDONED, V.RECEIVES_ABANDONED, V.ReceiveAbandon),
     (StatKey.PEERS_FORGOTTEN, V.PEERS_FORGOTTEN, V.Direction),
     (StatKey.INTERNAL_ERRORS, V.INTERNAL_ERRORS, V.InternalStep),
+    (StatKey.KV_VERIFY, V.KV_VERIFY, V.KvVerifyOutcome),
 )
 # A receive's outcome, validated by one lookup (one record per request).
 _RECEIVE_OUTCOMES = {outcome.value: outcome.value for outcome in V.ReceiveOutcome}

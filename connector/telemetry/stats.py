@@ -174,6 +174,13 @@ class ObservedNixlStats(NixlKVConnectorStats):
     def record_internal_error(self, step: str) -> None:
         self._append(StatKey.INTERNAL_ERRORS, step)
 
+    # -- KV integrity (connector/integrity) -------------------------------------
+    def record_kv_verify(self, outcome: str) -> None:
+        self._append(StatKey.KV_VERIFY, outcome)
+
+    def record_kv_digest(self, seconds: float) -> None:
+        self._append(StatKey.KV_DIGEST_SECONDS, seconds)
+
     def set_remote_prefills(self, waiting: int, oldest_wait_s: float) -> None:
         """D's scheduler: requests waiting for a remote prefill now (a snapshot)."""
         with _LOCK:
