@@ -167,6 +167,8 @@ class ReceiveFailure(_Vocab):
     # Given up here, then failed once no WRITE into its blocks can still come (see
     # ReceiveAbandon for why it was given up).
     ABANDONED = "abandoned"
+    # The KV landed but its digest differed from what P sent (kv_verify_action=fail).
+    KV_MISMATCH = "kv_mismatch"
     PEER_RESTARTED = "peer_restarted"  # P came back with a new NIXL agent: the KV died with it
     PEER_UNREACHABLE = "peer_unreachable"  # P unreachable for longer than its lease lasts
     OTHER = "other"  # failed by vLLM for a reason it did not tell us

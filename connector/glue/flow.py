@@ -310,7 +310,7 @@ class Flow:
         """D (main): the receives handed over this step that are checked."""
         raise NotImplementedError
 
-    def _verify_landed(self, results: KVConnectorTransferResults) -> None:
+    def _verify_landed(self, results: KVConnectorTransferResults) -> set[str]:
         """D (main, after vLLM's step): check the sampled receives whose KV landed; a
-        mismatch fails the receive with `kv_verify_action=fail`."""
+        mismatch fails the receive with `kv_verify_action=fail` (returned)."""
         raise NotImplementedError

@@ -129,9 +129,14 @@ class IntegrityFlow(Flow):
             self._internal_error(InternalStep.KV_DIGEST, f"the KV digest of request "
                                  f"{peer_str(remote_request_id)}'s WRITE (sent as skipped)")
             notif = KvDigestNotif(remote_request_id, self._sender_rank(), skip=KvVerifySkip.SHAPE.value)
-        agent = self._connections.targets(dst_engine_id).agents.get(rank)
-        if agent is None:
-            return  # (no agent for that rank now: D counts the receive incomplete)
+        # (vLLM keeps a remote engine's agents by (pp rank, tp rank); D has one PP stage.)
+        agents = [a for key, a in self._connections.targets(dst_engine_id).agents.items()
+                  if (key[-1] if isinstance(key, tuple) else key) == rank]
+        if len(agents) != 1:
+            logger.debug("KV digest of request %s: no single agent of %s rank %s (not checked)",
+                         peer_str(remote_request_id), peer_str(dst_engine_id), rank)
+            return  # (D counts the receive skipped: incomplete)
+        agent = agents[0]
         try:
             self.nixl_wrapper.send_notif(agent, notif_msg=encode_kv_digest(notif))
         except Exception:
@@ -180,11 +185,13 @@ class IntegrityFlow(Flow):
             return
         self._digests.put(notif.request_id, notif.sender, notif)
 
-    def _verify_landed(self, results: Any) -> None:
-        """D (main, after vLLM's step): check each sampled receive whose KV landed."""
+    def _verify_landed(self, results: Any) -> set[str]:
+        """D (main, after vLLM's step): check each sampled receive whose KV landed;
+        returns those failed for a mismatch."""
         wanted = self._verify_wanted
+        mismatched: set[str] = set()
         if not wanted:
-            return
+            return mismatched
         failed = results.failed_recving
         for req_id in results.finished_recving:
             if req_id not in wanted:
@@ -201,9 +208,11 @@ class IntegrityFlow(Flow):
                 outcome = Verdict(KvVerifyOutcome.MISMATCH)
             if outcome.outcome is KvVerifyOutcome.MISMATCH and self._verify.action is KvVerifyAction.FAIL:
                 failed.add(req_id)
+                mismatched.add(req_id)
                 if blocks:
                     self._invalid_block_ids.put(set(blocks))
             self._observe_verdict(req_id, prefill, blocks, outcome)
+        return mismatched
 
     def _check(self, req_id: str, blocks: list[int] | None) -> Verdict:
         received = self._digests.take(req_id)

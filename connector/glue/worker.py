@@ -279,9 +279,10 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         except Exception:
             self._internal_error(InternalStep.STEP, "tending peers and receives (tried again next step)")
         results = super().get_transfer_results()
+        mismatched = ()
         if results.finished_recving and self._verify_wanted:
             # KV integrity: before the scheduler sees the KV landed (a mismatch fails it).
-            self._verify_landed(results)
+            mismatched = self._verify_landed(results)
         completed, failures = (), {}
         try:
             if self._leases.writing or results.finished_sending:
@@ -292,6 +293,8 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
             if results.finished_sending:
                 completed = self._leases_ended(results.finished_sending)
             failures = {req_id: self._receives.over(req_id) for req_id in results.finished_recving}
+            for req_id in mismatched:
+                failures[req_id] = ReceiveFailure.KV_MISMATCH
         except Exception:
             # (vLLM still gets every result: a request it reports is over whatever our books say.)
             self._internal_error(InternalStep.STEP, "the step's WRITEs and results in the ledgers")

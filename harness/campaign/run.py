@@ -401,6 +401,7 @@ def counters(run: SeedRun, result: SeedResult, landed: set[str]) -> None:
         "d_receive_failure_reasons": dict(failure_reasons),
         "write_aborts": dict(_stat_counts(p_stats, StatKey.WRITE_ABORTS)),
         "telemetry_errors": dict(telemetry_lost),
+        "kv_verify": dict(_stat_counts(d_stats, StatKey.KV_VERIFY)),
     }
     if ok_receives != landed_ok:
         v.append(f"D counted {ok_receives} receives landed, the engines reported {landed_ok}")
