@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import traceback
+import zlib
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -243,6 +244,26 @@ class Engine(FaultCommands, InstrumentCommands, ScaleCommands):
     def cmd_slow_writes(self, window_s: float, delay_s: float) -> None:
         assert self.fault_agent is not None, "engine started without faults_seed"
         self.fault_agent.slow_writes(window_s, delay_s)
+
+    def cmd_corrupt_landed(self, rate: float) -> None:
+        assert self.fault_agent is not None, "engine started without faults_seed"
+        self.fault_agent.corrupt_landed(rate, self._flip_a_bit)
+
+    def _flip_a_bit(self, req_id: str) -> bool:
+        """Flip the low bit of one value in a block of `req_id` (the fault agent calls it
+        on vLLM's writer thread, before vLLM's main thread hears the KV landed). The
+        blocks are read from vLLM's receive metadata: a fault injector's liberty, one
+        dict read; the product never does this."""
+        meta = self.worker._recving_metadata.get(req_id)
+        groups = getattr(meta, "local_physical_block_ids", None)
+        if not groups or not groups[0]:
+            return False
+        blocks = list(groups[0])
+        block = blocks[zlib.crc32(req_id.encode()) % len(blocks)]
+        cache = next(iter(self.caches.values()))
+        bits = cache[block].view(self.torch.int32 if cache.element_size() == 4 else self.torch.int16)
+        bits.view(-1)[0] ^= 1
+        return True
 
     def cmd_stall_writer(self, seconds: float) -> None:
         assert self.fault_agent is not None, "engine started without faults_seed"

@@ -10,7 +10,10 @@ installed by a harness engine. On command it:
   congested link), so the blocks they read may be read long after the post;
 - stalls the writer thread (its next pass sleeps), the way a starved host does;
 - refuses WRITEs at posting (`make_prepped_xfer` raises), as NIXL does for a WRITE it
-  cannot post.
+  cannot post;
+- corrupts landed KV (D): when the last completion notification of a request arrives,
+  one bit of one of its blocks is flipped before vLLM hears of it, as a bad link, NIC
+  or memory would leave it (`corrupt_landed`; the KV check must catch each one).
 Delayed and held work is released only from vLLM's own threads, inside calls vLLM
 already makes to the agent (NIXL's agent is not thread-safe): a held notification at
 the next `send_notif` or `get_new_notifs`, a held WRITE at the next `check_xfer_state`.
@@ -24,8 +27,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from collections.abc import Callable
+
 from connector.glue.wire import HEARTBEAT_PREFIX, PUSH_REG_PREFIX
-from connector.vocabulary import PUSH_FAIL_NOTIF_PREFIX
+from connector.vocabulary import KV_DIGEST_NOTIF_PREFIX, PUSH_FAIL_NOTIF_PREFIX
 
 KINDS = {"heartbeat": HEARTBEAT_PREFIX, "push_reg": PUSH_REG_PREFIX, "push_fail": PUSH_FAIL_NOTIF_PREFIX}
 
@@ -48,6 +53,7 @@ class FaultCounts:
     held: int = 0
     lost_in_partition: int = 0
     writes_held: int = 0
+    corrupted: int = 0  # requests whose landed KV had a bit flipped
     writer_stalls: int = 0
     writes_refused: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
@@ -70,6 +76,9 @@ class FaultyAgent:
         object.__setattr__(self, "_held_handles", set())
         object.__setattr__(self, "_stall_writer_s", 0.0)
         object.__setattr__(self, "_inbound", {})  # held inbound notifications, now due
+        object.__setattr__(self, "_corrupt_rate", 0.0)
+        object.__setattr__(self, "_flip", None)  # (request id) -> whether a bit was flipped
+        object.__setattr__(self, "_landed", {})  # request id -> completions seen
         object.__setattr__(self, "counts", FaultCounts())
 
     def __getattr__(self, name: str) -> Any:
@@ -96,6 +105,28 @@ class FaultyAgent:
         """The next `n` WRITEs are refused when posted (`make_prepped_xfer` raises)."""
         with self._lock:
             object.__setattr__(self, "_refuse_writes", n)
+
+    def corrupt_landed(self, rate: float, flip: Callable[[str], bool]) -> None:
+        """Each request whose KV lands is corrupted with probability `rate`: `flip(id)`
+        flips a bit of its blocks (on the writer, before vLLM counts the completion)."""
+        with self._lock:
+            object.__setattr__(self, "_corrupt_rate", rate)
+            object.__setattr__(self, "_flip", flip)
+
+    def _corrupt(self, notifs: dict[Any, list[bytes]]) -> None:
+        landed = self._landed
+        for messages in notifs.values():
+            for m in messages:
+                if m.startswith((HEARTBEAT_PREFIX, PUSH_REG_PREFIX, PUSH_FAIL_NOTIF_PREFIX,
+                                 KV_DIGEST_NOTIF_PREFIX)):
+                    continue
+                req_id, _, writers = m.decode("utf-8", "replace").rpartition(":")
+                seen = landed[req_id] = landed.get(req_id, 0) + 1
+                if not writers.isdigit() or seen != int(writers):
+                    continue
+                del landed[req_id]
+                if self._rng.random() < self._corrupt_rate and self._flip(req_id):
+                    self.counts.corrupted += 1
 
     def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
@@ -173,6 +204,8 @@ class FaultyAgent:
             notifs = dict(notifs or {})
             for agent, messages in inbound.items():
                 notifs[agent] = [*messages, *notifs.get(agent, [])]
+        if notifs and self._corrupt_rate:
+            self._corrupt(notifs)
         return notifs
 
     def _release_due(self) -> None:

@@ -62,6 +62,7 @@ class Plan:
     requests: list[RequestPlan] = field(default_factory=list)
     faults: list[FaultEvent] = field(default_factory=list)
     ghost: bool = False
+    corrupt: float = 0.0  # share of D's landed receives with a bit flipped (KV check)
 
     @property
     def duration_s(self) -> float:
@@ -78,6 +79,7 @@ class Plan:
             kinds[f.kind] = kinds.get(f.kind, 0) + 1
         return {"seed": self.seed, "p_tp": self.p_tp, "d_tp": self.d_tp, "d_blocks": self.d_blocks,
                 "requests": len(self.requests), "ghost": self.ghost, "faults": kinds,
+                "corrupt": self.corrupt,
                 "reused_ids": len(self.requests) - len({r.tid for r in self.requests}),
                 "aborts": sum(r.abort_after is not None for r in self.requests),
                 "prefill_leg_aborts": sum(r.abort_prefill_leg for r in self.requests),
@@ -137,4 +139,7 @@ def make_plan(seed: int, requests: int, rate_per_s: float = 6.0) -> Plan:
     if plan.ghost:
         plan.faults.append(FaultEvent(rng.uniform(end / 4, end / 2), "ghost_dies"))
     plan.faults.sort(key=lambda f: f.at)
+    # Corrupted landed KV, drawn apart (the draws above, and so every seed's plan from
+    # before this fault existed, stay as they were): the KV check must catch each one.
+    plan.corrupt = random.Random(seed * 7919 + 1).choice([0.0, 0.05, 0.1])
     return plan

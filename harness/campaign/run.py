@@ -116,6 +116,8 @@ class SeedRun:
 
     def _arm_faults(self, d: EngineCore) -> None:
         d.rank_call("faults", self.plan.notif_faults)
+        if self.plan.corrupt:
+            d.rank_call("corrupt_landed", self.plan.corrupt)
 
     def stop(self) -> None:
         for core in [*self.cores.values(), *(c for _, c in self.retired)]:
@@ -286,13 +288,15 @@ def run_seed(plan: Plan, workdir: Path, mutant: str | None = None) -> SeedResult
         phases["wait"], t = round(time.monotonic() - t, 1), time.monotonic()
         drained = run.drain(2 * LEASE_S + HOLD_S + BOUND_SLACK_S)
         phases["drain"] = round(time.monotonic() - t, 1)
+        result.faults_injected = _fault_counts(run)  # (the KV check's verdicts are judged by it)
         judge(run, result, bound, drained)
     except Exception as exc:
         result.violations.append(f"campaign error: {type(exc).__name__}: {exc}")
         for name, core in [*run.cores.items(), *run.retired]:
             result.violations.extend(f"engine {name} exception: {e[:2000]}" for e in core.state.errors)
     finally:
-        result.faults_injected = _fault_counts(run)
+        if not result.faults_injected:
+            result.faults_injected = _fault_counts(run)
         run.stop()
         result.seconds = time.monotonic() - started
         if result.ok:
@@ -403,6 +407,13 @@ def counters(run: SeedRun, result: SeedResult, landed: set[str]) -> None:
         "telemetry_errors": dict(telemetry_lost),
         "kv_verify": dict(_stat_counts(d_stats, StatKey.KV_VERIFY)),
     }
+    verdicts = result.counters["kv_verify"]
+    corrupted = sum(c.get("corrupted", 0) for name, c in result.faults_injected.items()
+                    if name == "D" and isinstance(c, dict))
+    restarted_d = any(f.kind == "restart_d" for f in run.plan.faults)
+    if verdicts.get("mismatch", 0) > corrupted and not restarted_d:
+        v.append(f"D found {verdicts['mismatch']} KV mismatch(es) but only {corrupted} receive(s) "
+                 "were corrupted: a false alarm of the KV check")
     if ok_receives != landed_ok:
         v.append(f"D counted {ok_receives} receives landed, the engines reported {landed_ok}")
     if failures != d_failed:
