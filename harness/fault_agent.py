@@ -24,10 +24,9 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-from collections.abc import Callable
 
 from connector.glue.wire import HEARTBEAT_PREFIX, PUSH_REG_PREFIX
 from connector.vocabulary import KV_DIGEST_NOTIF_PREFIX, PUSH_FAIL_NOTIF_PREFIX
