@@ -636,7 +636,25 @@ def _reliability() -> list[Cell]:
     retries, rejected = total(V.HANDSHAKE_RETRIES), total(V.PUSH_REG_REJECTED)
     lost, sc_rejected = total(V.TELEMETRY_ERRORS), total(V.SIDE_CHANNEL_REJECTED)
     internal = total(V.INTERNAL_ERRORS)
+    verify = total(V.KV_VERIFY)
+    mismatch = f'{Label.OUTCOME}="{V.KvVerifyOutcome.MISMATCH.value}"'
     return [
+        Cell(timeseries("KV integrity checks/s",
+                        "Sampled receives a decode engine checked against the KV digest its prefill "
+                        "computed before the WRITE, by verdict: rate of {verify} (match, mismatch, "
+                        "skipped: no digest came, from a stock or verify-off prefill). Any mismatch is "
+                        "an incident: alert NixlKvIntegrityMismatch.".format(verify=verify),
+                        [target(f"sum {by(Label.OUTCOME)} (rate({sel(verify)}[{RATE}]))", "{{outcome}}")],
+                        "suffix: checks/s"), 8, 8),
+        Cell(count_stat("KV mismatches",
+                        "Receives whose KV differed from what their prefill sent, in the dashboard "
+                        f"range: {verify}{{{mismatch}}}." + EXACT_NOTE,
+                        changed(verify, mismatch), bad_from=1), 4, 8),
+        Cell(timeseries("KV digest time p50 / p99",
+                        f"Time one KV digest took on an engine's worker: {V.KV_DIGEST_DURATION.name} "
+                        "(a prefill: before each WRITE of a sampled request; a decode: after its KV "
+                        "landed, before its first decode step). The cost control is kv_verify_ratio.",
+                        quantile_targets(V.KV_DIGEST_DURATION, (), "", qs=(0.5, 0.99)), "s"), 12, 8),
         Cell(timeseries("Handshakes in flight",
                         "Handshakes submitted and not finished (queued or running on the "
                         f"handshake pool), by direction and flavor: {in_flight}, summed over "

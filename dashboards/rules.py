@@ -164,6 +164,28 @@ def _push_state_alerts() -> list[dict[str, Any]]:
     ]
 
 
+KV_MISMATCH_WINDOW = "5m"
+
+
+def _integrity_alerts() -> list[dict[str, Any]]:
+    """A decoder found received KV that is not what its prefill sent: any is an incident."""
+    verify = total(V.KV_VERIFY)
+    mismatch = eq(Label.OUTCOME, V.KvVerifyOutcome.MISMATCH.value)
+    return [
+        {"alert": "NixlKvIntegrityMismatch",
+         "expr": f"sum {by(*INSTANCE)} (increase({s(verify, mismatch)}[{KV_MISMATCH_WINDOW}]))\n> 0",
+         "labels": {"severity": "critical"},
+         "annotations": {
+             "summary": "KV received on {{ $labels.instance }} differed from what its prefill sent",
+             "description": "{{ $value }} sampled receive(s) of decode engine {{ $labels.instance }} "
+                            f"in the last {KV_MISMATCH_WINDOW} held KV whose digest differed from the "
+                            "one its prefill computed before the WRITE. With kv_verify_action=fail they "
+                            "were failed and recomputed (or failed, per kv_load_failure_policy); with "
+                            "observe they were answered from that KV. The engine's ERROR line \"KV "
+                            "integrity\" names the request, the prefill and the layers."}},
+    ]
+
+
 def _router_alerts() -> list[dict[str, Any]]:
     """The router's clients get errors: a leg failed for a share of its requests."""
     reqs, win = total(V.ROUTER_REQUESTS), ROUTER_WINDOW
@@ -340,6 +362,7 @@ def build_rules() -> dict[str, Any]:
         *_lease_alerts(),
         *_peer_alerts(),
         *_push_state_alerts(),
+        *_integrity_alerts(),
         *_router_alerts(),
         *_ttft_alerts(),
     ]

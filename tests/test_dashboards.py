@@ -446,7 +446,8 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
                       "NixlHandshakeStuck", "NixlPushRegRejected",
                       "NixlKvLeaseExpiredWhileWanted", "NixlHeartbeatsMatchNothing", "NixlPeerRestarted",
                       "NixlRemotePrefillWaitingLong", "NixlRouterLegErrorRatioHigh",
-                      "NixlPushWriteAbortFailed", "NixlKvWaitShareRising", "NixlInternalError"}
+                      "NixlPushWriteAbortFailed", "NixlKvWaitShareRising", "NixlInternalError",
+                      "NixlKvIntegrityMismatch"}
     assert firing == alerts and quiet == alerts
 
 
