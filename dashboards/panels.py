@@ -641,9 +641,9 @@ def _reliability() -> list[Cell]:
     return [
         Cell(timeseries("KV integrity checks/s",
                         "Sampled receives a decode engine checked against the KV digest its prefill "
-                        "computed before the WRITE, by verdict: rate of {verify} (match, mismatch, "
+                        f"computed before the WRITE, by verdict: rate of {verify} (match, mismatch, "
                         "skipped: no digest came, from a stock or verify-off prefill). Any mismatch is "
-                        "an incident: alert NixlKvIntegrityMismatch.".format(verify=verify),
+                        "an incident: alert NixlKvIntegrityMismatch.",
                         [target(f"sum {by(Label.OUTCOME)} (rate({sel(verify)}[{RATE}]))", "{{outcome}}")],
                         "suffix: checks/s"), 8, 8),
         Cell(count_stat("KV mismatches",
