@@ -59,6 +59,9 @@ CONNECTED = [c for c in CASES if c not in REFUSED]
 PUSH_BLOCK_SIZE_REASON = "NixlPushConnector requires identical P/D block sizes"
 
 
+PUSHES_PER_CASE = 2
+
+
 @dataclass
 class Case:
     fork: CaseResult
@@ -89,7 +92,7 @@ def _metrics(case: CaseResult, spec: Any) -> tuple[dict[str, float], dict[str, A
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     work = str(tmp_path_factory.mktemp("shapes"))
     found: dict[str, dict[str, Any]] = {}
-    for p, d, res in run_matrix(work, tracing="memory"):
+    for p, d, res in run_matrix(work, tracing="memory", requests=PUSHES_PER_CASE):
         key = case_id(p.spec.tp_size, p.spec.pp_size, p.spec.block_size, d.spec.tp_size)
         entry = found.setdefault(key, {})
         entry[d.spec.connector] = res
@@ -126,6 +129,22 @@ def test_bytes_land_on_every_d_rank_from_the_right_p_ranks(matrix: dict[str, Cas
             per_p = res.shape["p_tp"]
             expected = sorted({h * per_p // 4 for h in range(a, b)})
             assert entry["from_p_tp_ranks"] == expected, entry
+
+
+@pytest.mark.parametrize("cid", PUSHED)
+def test_every_fork_d_rank_checks_the_kv_digest_of_every_push_and_it_matches(matrix: dict[str, Case],
+                                                                             cid: str) -> None:
+    """KV integrity in every shape: each D rank sums the digests of the P ranks that wrote
+    its heads (P TP2 -> D TP1: two; P PP2: one per stage's layers) and matches its own.
+    A stock D never asks: its pushes land as before (the test above)."""
+    from connector.vocabulary import StatKey
+
+    case = _case(matrix, cid)
+    for rank, stats in enumerate(case.fork.stats):
+        verdicts = [v for s in stats for v in s.get(StatKey.KV_VERIFY, ())]
+        assert verdicts == ["match"] * PUSHES_PER_CASE, (cid, rank, verdicts)
+    stock_verdicts = [v for rank in case.stock.stats for s in rank for v in s.get(StatKey.KV_VERIFY, ())]
+    assert stock_verdicts == []
 
 
 @pytest.mark.parametrize("cid", CONNECTED)
