@@ -24,6 +24,8 @@ from connector.vocabulary import (
     DESCRIPTORS_SAVED,
     HANDSHAKE_PHASE_DURATION,
     HANDSHAKES,
+    KV_DIGEST_DURATION,
+    KV_VERIFY,
     PUSH_REG_NOTIFS,
     PUSHES,
     ROUTER_LEG_DURATION,
@@ -144,6 +146,14 @@ def push_lines(p: list[Sample], d: list[Sample], outcomes: list[Outcome]) -> lis
         lines.append(f"P pushes: {total(p, PUSHES.name + '_total', outcome='completed'):.0f} completed, "
                      f"{total(p, PUSHES.name + '_total', outcome='failed'):.0f} failed; D PUSH_REG sent: "
                      f"{total(d, PUSH_REG_NOTIFS.name + '_total', outcome='sent'):.0f}")
+    verify = KV_VERIFY.name + "_total"
+    if any(n.startswith(KV_VERIFY.name) for n, _, _ in d):
+        checked = {o: total(d, verify, outcome=o) for o in ("match", "mismatch", "skipped")}
+        digests = total(d, KV_DIGEST_DURATION.name + "_count") + total(p, KV_DIGEST_DURATION.name + "_count")
+        seconds = total(d, KV_DIGEST_DURATION.name + "_sum") + total(p, KV_DIGEST_DURATION.name + "_sum")
+        mean = f", {seconds / digests * 1e3:.2f} ms per digest" if digests else ""
+        lines.append(f"D KV integrity checks: {sum(checked.values()):.0f} ({checked['match']:.0f} matched, "
+                     f"{checked['mismatch']:.0f} mismatched, {checked['skipped']:.0f} skipped){mean}")
     xfers = total(p, "vllm:nixl_xfer_time_seconds_count")
     lines.append(f"P NIXL transfers (vLLM's own metric): {xfers:.0f}, "
                  f"{total(p, 'vllm:nixl_bytes_transferred_sum') / 1024:.0f} KiB")

@@ -30,9 +30,11 @@ from connector.vocabulary import (
     DESCRIPTORS_SAVED,
     HANDSHAKES,
     HEARTBEATS,
+    KV_DIGEST_DURATION,
     KV_LEASE_EXPIRIES,
     KV_LEASE_RENEWALS,
     KV_LEASES_HELD,
+    KV_VERIFY,
     KV_WAIT,
     PEER_RESETS,
     PUSH_FAIL_NOTIFS,
@@ -211,6 +213,13 @@ def test_kv_came_over_nixl_and_every_d_to_p_handshake_stayed_notification_only(
     assert report.total(p, PUSHES.name + "_total", outcome="failed") == 0
     assert report.total(p, DESCRIPTORS_REGISTERED.name + "_total", direction="p_to_d", list="remote") > 0
     assert "Transfer plan" in stack.prefill.log()  # P's P->D handshake is full: it writes into D
+    # KV integrity (kv_verify_ratio 1 by default): D checked every request's KV against the
+    # digest P computed before its WRITE, and it matched; each side digested once per push.
+    verify = KV_VERIFY.name + "_total"
+    assert report.total(d, verify, outcome="match") == n
+    assert report.total(d, verify, outcome="mismatch") == report.total(d, verify, outcome="skipped") == 0
+    assert report.total(p, KV_DIGEST_DURATION.name + "_count") == n
+    assert report.total(d, KV_DIGEST_DURATION.name + "_count") == n
 
 
 def test_streamed_completion_through_the_router_equals_the_reference(stack: Stack) -> None:
@@ -399,7 +408,7 @@ def test_every_request_is_one_trace_across_router_p_and_d(stack: Stack,
         for service in ("vllm-prefill", "vllm-decode"):
             vllm_span = by_name[(service, VLLM_REQUEST_SPAN)]
             assert transfer_id in vllm_span["attributes"]["gen_ai.request.id"]
-        assert by_name[("vllm-decode", SPAN_PUSH_RECEIVE)]
+        assert by_name[("vllm-decode", SPAN_PUSH_RECEIVE)]["attributes"][Attr.KV_VERIFY] == "match"
         assert by_name[("vllm-prefill", SPAN_PUSH_WRITE)]
 
 
