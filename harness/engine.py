@@ -247,23 +247,36 @@ class Engine(FaultCommands, InstrumentCommands, ScaleCommands):
 
     def cmd_corrupt_landed(self, rate: float) -> None:
         assert self.fault_agent is not None, "engine started without faults_seed"
-        self.fault_agent.corrupt_landed(rate, self._flip_a_bit)
+        self.fault_agent.corrupt_landed(rate, self._corrupt)
 
-    def _flip_a_bit(self, req_id: str) -> bool:
-        """Flip the low bit of one value in a block of `req_id` (the fault agent calls it
-        on vLLM's writer thread, before vLLM's main thread hears the KV landed). The
-        blocks are read from vLLM's receive metadata: a fault injector's liberty, one
-        dict read; the product never does this."""
+    def cmd_corrupted_ids(self) -> list[str]:
+        return list(self.fault_agent.corrupted_ids) if self.fault_agent is not None else []
+
+    def _corrupt(self, req_id: str, kind: str) -> bool:
+        """Change the landed KV of `req_id` (`kind`: one bit flipped, a block replaced by
+        another block's content, two blocks swapped); whether its bytes changed. The
+        fault agent calls it on vLLM's writer thread, before vLLM's main thread hears the
+        KV landed. The blocks are read from vLLM's receive metadata: a fault injector's
+        liberty, one dict read; the product never does this."""
         meta = self.worker._recving_metadata.get(req_id)
         groups = getattr(meta, "local_physical_block_ids", None)
         if not groups or not groups[0]:
             return False
         blocks = list(groups[0])
-        block = blocks[zlib.crc32(req_id.encode()) % len(blocks)]
-        cache = next(iter(self.caches.values()))
-        bits = cache[block].view(self.torch.int32 if cache.element_size() == 4 else self.torch.int16)
-        bits.view(-1)[0] ^= 1
-        return True
+        pick = zlib.crc32(req_id.encode())
+        block = blocks[pick % len(blocks)]
+        layer = list(self.caches.values())[pick % len(self.caches)]
+        before = layer[blocks].clone()
+        if kind == "swap" and len(blocks) > 1:
+            other = blocks[(pick + 1) % len(blocks)]
+            layer[block], layer[other] = layer[other].clone(), layer[block].clone()
+        elif kind == "other_block":
+            source = (block + 1 + pick % (layer.shape[0] - 1)) % layer.shape[0]
+            layer[block].copy_(layer[source])
+        else:
+            bits = layer[block].view(self.torch.int32 if layer.element_size() == 4 else self.torch.int16)
+            bits.view(-1)[pick % bits.numel()] ^= 1
+        return not self.torch.equal(before, layer[blocks])
 
     def cmd_stall_writer(self, seconds: float) -> None:
         assert self.fault_agent is not None, "engine started without faults_seed"

@@ -12,8 +12,10 @@ installed by a harness engine. On command it:
 - refuses WRITEs at posting (`make_prepped_xfer` raises), as NIXL does for a WRITE it
   cannot post;
 - corrupts landed KV (D): when the last completion notification of a request arrives,
-  one bit of one of its blocks is flipped before vLLM hears of it, as a bad link, NIC
-  or memory would leave it (`corrupt_landed`; the KV check must catch each one).
+  before vLLM hears of it, one of its blocks gets one bit flipped, or the content of
+  another block (another request's KV, or stale KV of a freed one), or two of its
+  blocks are swapped: what a bad link, NIC, memory or a misrouted WRITE leaves
+  (`corrupt_landed`; the KV check must catch each one).
 Delayed and held work is released only from vLLM's own threads, inside calls vLLM
 already makes to the agent (NIXL's agent is not thread-safe): a held notification at
 the next `send_notif` or `get_new_notifs`, a held WRITE at the next `check_xfer_state`.
@@ -31,6 +33,7 @@ from typing import Any
 from connector.glue.wire import HEARTBEAT_PREFIX, PUSH_REG_PREFIX
 from connector.vocabulary import KV_DIGEST_NOTIF_PREFIX, PUSH_FAIL_NOTIF_PREFIX
 
+CORRUPTIONS = ("bit", "other_block", "swap")
 KINDS = {"heartbeat": HEARTBEAT_PREFIX, "push_reg": PUSH_REG_PREFIX, "push_fail": PUSH_FAIL_NOTIF_PREFIX}
 
 
@@ -52,7 +55,10 @@ class FaultCounts:
     held: int = 0
     lost_in_partition: int = 0
     writes_held: int = 0
-    corrupted: int = 0  # requests whose landed KV had a bit flipped
+    corrupted: int = 0  # requests whose landed KV was changed (the three kinds below)
+    corrupted_bit: int = 0
+    corrupted_other_block: int = 0
+    corrupted_swap: int = 0
     writer_stalls: int = 0
     writes_refused: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
@@ -76,7 +82,8 @@ class FaultyAgent:
         object.__setattr__(self, "_stall_writer_s", 0.0)
         object.__setattr__(self, "_inbound", {})  # held inbound notifications, now due
         object.__setattr__(self, "_corrupt_rate", 0.0)
-        object.__setattr__(self, "_flip", None)  # (request id) -> whether a bit was flipped
+        object.__setattr__(self, "_flip", None)  # (request id, kind) -> whether the KV changed
+        object.__setattr__(self, "corrupted_ids", [])
         object.__setattr__(self, "_landed", {})  # request id -> completions seen
         object.__setattr__(self, "counts", FaultCounts())
 
@@ -105,9 +112,9 @@ class FaultyAgent:
         with self._lock:
             object.__setattr__(self, "_refuse_writes", n)
 
-    def corrupt_landed(self, rate: float, flip: Callable[[str], bool]) -> None:
-        """Each request whose KV lands is corrupted with probability `rate`: `flip(id)`
-        flips a bit of its blocks (on the writer, before vLLM counts the completion)."""
+    def corrupt_landed(self, rate: float, flip: Callable[[str, str], bool]) -> None:
+        """Each request whose KV lands is corrupted with probability `rate`: `flip(id,
+        kind)` changes its blocks (on the writer, before vLLM counts the completion)."""
         with self._lock:
             object.__setattr__(self, "_corrupt_rate", rate)
             object.__setattr__(self, "_flip", flip)
@@ -124,8 +131,13 @@ class FaultyAgent:
                 if not writers.isdigit() or seen != int(writers):
                     continue
                 del landed[req_id]
-                if self._rng.random() < self._corrupt_rate and self._flip(req_id):
+                if self._rng.random() >= self._corrupt_rate:
+                    continue
+                kind = self._rng.choice(CORRUPTIONS)
+                if self._flip(req_id, kind):
                     self.counts.corrupted += 1
+                    setattr(self.counts, f"corrupted_{kind}", getattr(self.counts, f"corrupted_{kind}") + 1)
+                    self.corrupted_ids.append(req_id)
 
     def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:

@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="20", help="N (seeds 1..N), or a list: 3,7,10-12")
     parser.add_argument("--requests", type=int, default=250, help="requests per seed")
     parser.add_argument("--out", default=str(REPO / ".cache" / "chaos"), help="summary and logs")
+    parser.add_argument("--verify-ratio", type=float, default=1.0,
+                        help="the engines' kv_verify_ratio (0: the byte checker alone)")
+    parser.add_argument("--mutant", default=None, help="a deliberate defect (harness.mutants)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out)
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, seed in enumerate(seeds, 1):
         plan = make_plan(seed, args.requests)
         t0 = time.monotonic()
-        result = run_seed(plan, out / "work")
+        result = run_seed(plan, out / "work", mutant=args.mutant, verify_ratio=args.verify_ratio)
         results.append(result)
         o = result.outcomes
         print(f"[{time.monotonic() - started:7.1f}s] seed {seed} ({i}/{len(seeds)}, "

@@ -79,12 +79,14 @@ class SeedResult:
 class SeedRun:
     """The engines and the client of one seed."""
 
-    def __init__(self, plan: Plan, workdir: Path, mutant: str | None = None):
+    def __init__(self, plan: Plan, workdir: Path, mutant: str | None = None, verify_ratio: float = 1.0):
         self.plan = plan
         self.work = workdir
+        self.mutant, self.verify_ratio = mutant, verify_ratio
         self.ctx = rank_context()
         run = secrets.token_hex(3)
-        common = dict(num_layers=NUM_LAYERS, block_size=32, extra_config=dict(EXTRA_CONFIG),
+        common = dict(num_layers=NUM_LAYERS, block_size=32,
+                      extra_config={**EXTRA_CONFIG, "kv_verify_ratio": verify_ratio},
                       workdir=str(workdir), prefix_caching=False, faults_seed=plan.seed,
                       kv_load_failure_policy="recompute", mutant=mutant)
         self.specs = {
@@ -267,15 +269,16 @@ class SeedRun:
         return True
 
 
-def run_seed(plan: Plan, workdir: Path, mutant: str | None = None) -> SeedResult:
+def run_seed(plan: Plan, workdir: Path, mutant: str | None = None, verify_ratio: float = 1.0) -> SeedResult:
     """Run one seed and judge it; engines stopped and scratch removed on the way out.
-    `mutant`: a deliberate defect the engines run with (harness.mutants)."""
+    `mutant`: a deliberate defect the engines run with (harness.mutants); `verify_ratio`:
+    the engines' `kv_verify_ratio` (0: no KV check, the byte checker alone)."""
     result = SeedResult(plan.seed, plan.summary())
     started = time.monotonic()
     work = workdir / f"seed-{plan.seed}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    run = SeedRun(plan, work, mutant)
+    run = SeedRun(plan, work, mutant, verify_ratio)
     try:
         phases = result.counters.setdefault("phase_seconds", {})
         t = time.monotonic()
@@ -411,7 +414,18 @@ def counters(run: SeedRun, result: SeedResult, landed: set[str]) -> None:
     corrupted = sum(c.get("corrupted", 0) for name, c in result.faults_injected.items()
                     if name == "D" and isinstance(c, dict))
     restarted_d = any(f.kind == "restart_d" for f in run.plan.faults)
-    if verdicts.get("mismatch", 0) > corrupted and not restarted_d:
+    # Every corrupted receive failed (recomputed), never decoded from: the KV check caught it.
+    failed_here = set().union(*(c.state.failed_recving for c in d_cores)) if d_cores else set()
+    try:
+        per_rank = run.cores["D"].rank_call("corrupted_ids")
+    except Exception:
+        per_rank = []  # (D's engine is gone: its corruptions died with it)
+    for rank_ids in per_rank:
+        missed = sorted(set(rank_ids) - failed_here)
+        if missed and run.verify_ratio >= 1.0:
+            v.append(f"{len(missed)} corrupted receive(s) not failed by the KV check: {missed[:3]}")
+    # A mismatch where nothing was corrupted is a false alarm (a mutant's defect is not).
+    if verdicts.get("mismatch", 0) > corrupted and not restarted_d and run.mutant is None:
         v.append(f"D found {verdicts['mismatch']} KV mismatch(es) but only {corrupted} receive(s) "
                  "were corrupted: a false alarm of the KV check")
     if ok_receives != landed_ok:
