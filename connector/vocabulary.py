@@ -169,6 +169,8 @@ class ReceiveFailure(_Vocab):
     ABANDONED = "abandoned"
     # The KV landed but its digest differed from what P sent (kv_verify_action=fail).
     KV_MISMATCH = "kv_mismatch"
+    # Sampled, but the digest of a prefill that sends them was lost (kv_verify_action=fail).
+    KV_UNVERIFIED = "kv_unverified"
     PEER_RESTARTED = "peer_restarted"  # P came back with a new NIXL agent: the KV died with it
     PEER_UNREACHABLE = "peer_unreachable"  # P unreachable for longer than its lease lasts
     OTHER = "other"  # failed by vLLM for a reason it did not tell us
@@ -239,8 +241,12 @@ class KvVerifyOutcome(_Vocab):
 class KvVerifySkip(_Vocab):
     """Why a sampled receive was not checked (span attribute and DEBUG log; not a label)."""
 
-    STOCK_PREFILL = "stock_prefill"  # no digest came: a stock prefill, or one with verify off
-    INCOMPLETE = "incomplete"  # digests of some layers or ranks did not come
+    STOCK_PREFILL = "stock_prefill"  # no digest came from a prefill that never sent one
+    # A prefill that sends digests sent none (MISSING), or not from every rank or for every
+    # layer (INCOMPLETE): lost on the way. Not checkable: with kv_verify_action=fail the
+    # receive fails (recomputed), since the KV might be the one thing that went wrong.
+    MISSING = "missing"
+    INCOMPLETE = "incomplete"
     SHAPE = "shape"  # a layout the digest does not cover (see docs/reliability.md)
 
 

@@ -28,24 +28,42 @@ pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
 
 SEEDS = (5, 9)  # P TP 2 / D TP 1, and P TP 1 / D TP 2 (harness.campaign.plan draws them)
 REQUESTS = 80
+# Seed 9 corrupts a quarter of the KV that lands on D (flipped bits, another block's
+# content, swapped blocks): with the KV check on (the default), each must be caught.
+CORRUPTING_SEED, CORRUPT_SHARE = 9, 0.25
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_every_request_lands_intact_or_fails_counted_and_nothing_leaks(seed: int, tmp_path: Path) -> None:
     plan = make_plan(seed, REQUESTS)
+    if seed == CORRUPTING_SEED:
+        plan.corrupt = CORRUPT_SHARE
     result = run_seed(plan, tmp_path)
     assert result.violations == [], result.as_dict()
     o = result.outcomes
     assert o["kv_landed"] > 0 and o["recomputed"] > 0  # both endings happened
     assert sum(o.values()) == REQUESTS  # every request accounted for
     assert result.checked_positions > 1000
+    assert result.counters["kv_verify"].get("match", 0) > 0
+    if seed == CORRUPTING_SEED:  # (each corrupted receive failed: run_seed's violations say so)
+        assert result.faults_injected["D"]["corrupted"] > 0, result.faults_injected
 
 
-def test_the_campaign_fails_on_a_lease_released_under_its_write(tmp_path: Path) -> None:
-    """The defect upstream has (the reaper frees blocks a WRITE still reads): the same
-    seed now ends with wrong bytes on the decoder."""
-    result = run_seed(make_plan(5, 100), tmp_path, mutant="release_claimed")
+def test_the_campaign_fails_on_a_lease_released_under_its_write_without_the_kv_check(tmp_path: Path) -> None:
+    """The defect upstream has (the reaper frees blocks a WRITE still reads), with the KV
+    check off: the same seed ends with wrong bytes on the decoder (the control for the
+    test below)."""
+    result = run_seed(make_plan(5, 100), tmp_path, mutant="release_claimed", verify_ratio=0.0)
     assert any(v.startswith("wrong KV bytes") for v in result.violations), result.as_dict()
+
+
+def test_the_kv_check_turns_that_defect_into_recomputes_with_no_wrong_byte(tmp_path: Path) -> None:
+    """The same defect with every receive checked (the default): each WRITE that carried
+    what P's blocks held after their release is a mismatch, failed and recomputed; no
+    request decodes from wrong KV."""
+    result = run_seed(make_plan(5, 100), tmp_path, mutant="release_claimed")
+    assert result.violations == [], result.as_dict()
+    assert result.counters["kv_verify"].get("mismatch", 0) > result.faults_injected["D"]["corrupted"]
 
 
 def test_a_request_aborted_while_it_waits_alone_gives_its_blocks_back(tmp_path: Path) -> None:

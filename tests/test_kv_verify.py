@@ -122,11 +122,22 @@ def test_pp_stages_each_send_their_layers() -> None:
     assert verdict(own, sent[1:]).skipped_because is KvVerifySkip.INCOMPLETE
 
 
-def test_no_digest_or_a_skip_is_skipped_not_a_verdict() -> None:
+def test_no_digest_or_a_skip_is_skipped_and_a_lost_digest_fails() -> None:
+    """A stock prefill sends no digest: skipped, decoded. A prefill that sends digests
+    sent none, or not from every rank: lost on the way; the KV cannot be checked, so
+    `kv_verify_action=fail` fails it like a mismatch."""
     own = digest(list(_caches(1, 2, 4).items()), [0], head0=0)
-    assert verdict(own, []).skipped_because is KvVerifySkip.STOCK_PREFILL
-    skip = KvDigestNotif("r", 0, skip=KvVerifySkip.SHAPE.value)
-    assert verdict(own, [skip]).skipped_because is KvVerifySkip.SHAPE
+    stock = verdict(own, [])
+    assert stock.skipped_because is KvVerifySkip.STOCK_PREFILL and not stock.fails
+    skip = verdict(own, [KvDigestNotif("r", 0, skip=KvVerifySkip.SHAPE.value)])
+    assert skip.skipped_because is KvVerifySkip.SHAPE and not skip.fails
+    lost = verdict(own, [], prefill_sends=True)
+    assert lost.skipped_because is KvVerifySkip.MISSING and lost.fails
+    half = KvDigestNotif("r", 0, list(own.layers), list(own.values), tokens=8, writers=2)
+    partial = verdict(own, [half])
+    assert partial.skipped_because is KvVerifySkip.INCOMPLETE and partial.fails
+    assert verdict(own, [KvDigestNotif("r", 0, list(own.layers), list(own.values), tokens=8)]).outcome \
+        is KvVerifyOutcome.MATCH
 
 
 def test_layer_views_take_vllm_layer_names_and_refuse_what_they_cannot_digest() -> None:
@@ -151,6 +162,9 @@ def test_the_inbox_keeps_one_digest_per_sender_and_drops_the_oldest_request_past
     assert inbox.take("b") == ["b"] and inbox.take("b") == []
     inbox.forget(["c"])
     assert len(inbox) == 0
-    inbox.put("d", 0, "x")
-    inbox.put("d", 1, "y")
+    inbox.put("d", 0, "x", "prefill-1")
+    inbox.put("d", 1, "y", "prefill-1")
     assert sorted(inbox.take("d")) == ["x", "y"]
+    assert inbox.sends_digests("prefill-1") and not inbox.sends_digests("prefill-2")
+    inbox.forget_engine("prefill-1")  # (restarted: it may come back as a stock prefill)
+    assert not inbox.sends_digests("prefill-1")

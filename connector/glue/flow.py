@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from connector.glue.retry import RetryPolicy
     from connector.state.connections import ConnectionTable
+    from connector.state.digests import DigestInbox
     from connector.state.leases import LeaseLedger
     from connector.state.receives import ReceiveLedger
     from connector.telemetry.in_flight import InFlight
@@ -288,6 +289,7 @@ class Flow:
 
     # ---------------------------------------------------------- IntegrityFlow offers
     _digest_wanted: set[str]  # P (writer): requests whose WRITEs being posted carry a digest
+    _digests: DigestInbox  # D: the digests P's ranks sent (writer puts, main takes)
     _verify_wanted: dict[str, Any]  # D (main): sampled receives, until their KV landed
 
     def _ask_for_digest(self, req_id: str, reg: dict[str, Any]) -> None:
@@ -310,7 +312,8 @@ class Flow:
         """D (main): the receives handed over this step that are checked."""
         raise NotImplementedError
 
-    def _verify_landed(self, results: KVConnectorTransferResults) -> set[str]:
-        """D (main, after vLLM's step): check the sampled receives whose KV landed; a
-        mismatch fails the receive with `kv_verify_action=fail` (returned)."""
+    def _verify_landed(self, results: KVConnectorTransferResults) -> dict[str, ReceiveFailure]:
+        """D (main, after vLLM's step): check the sampled receives whose KV landed; with
+        `kv_verify_action=fail`, a mismatch or a lost digest fails the receive (returned,
+        with why)."""
         raise NotImplementedError

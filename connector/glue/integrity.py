@@ -48,6 +48,7 @@ from connector.vocabulary import (
     KvVerifyAction,
     KvVerifyOutcome,
     KvVerifySkip,
+    ReceiveFailure,
     SpanEvent,
     TelemetryError,
 )
@@ -183,13 +184,13 @@ class IntegrityFlow(Flow):
         except ValueError as exc:
             logger.warning("Dropped a KV digest notification from NIXL agent %r: %s", agent, exc)
             return
-        self._digests.put(notif.request_id, notif.sender, notif)
+        self._digests.put(notif.request_id, notif.sender, notif, self._connections.engine_of(agent))
 
-    def _verify_landed(self, results: Any) -> set[str]:
+    def _verify_landed(self, results: Any) -> dict[str, ReceiveFailure]:
         """D (main, after vLLM's step): check each sampled receive whose KV landed;
-        returns those failed for a mismatch."""
+        returns those it failed, with why."""
         wanted = self._verify_wanted
-        mismatched: set[str] = set()
+        mismatched: dict[str, ReceiveFailure] = {}
         if not wanted:
             return mismatched
         failed = results.failed_recving
@@ -201,26 +202,29 @@ class IntegrityFlow(Flow):
                 self._digests.forget((req_id,))
                 continue
             try:
-                outcome = self._check(req_id, blocks)
+                outcome = self._check(req_id, blocks, prefill)
             except Exception:
                 self._internal_error(InternalStep.KV_DIGEST, f"checking request {req_id}'s KV "
                                      "(failed, as a mismatch would be, with kv_verify_action=fail)")
                 outcome = Verdict(KvVerifyOutcome.MISMATCH)
-            if outcome.outcome is KvVerifyOutcome.MISMATCH and self._verify.action is KvVerifyAction.FAIL:
+            if outcome.fails and self._verify.action is KvVerifyAction.FAIL:
                 failed.add(req_id)
-                mismatched.add(req_id)
+                mismatched[req_id] = (ReceiveFailure.KV_MISMATCH
+                                      if outcome.outcome is KvVerifyOutcome.MISMATCH
+                                      else ReceiveFailure.KV_UNVERIFIED)
                 if blocks:
                     self._invalid_block_ids.put(set(blocks))
             self._observe_verdict(req_id, prefill, blocks, outcome)
         return mismatched
 
-    def _check(self, req_id: str, blocks: list[int] | None) -> Verdict:
+    def _check(self, req_id: str, blocks: list[int] | None, prefill: str) -> Verdict:
         received = self._digests.take(req_id)
         views = self._kv_views
         if blocks is None or views is None:
             return Verdict(KvVerifyOutcome.SKIPPED, KvVerifySkip.SHAPE)
         if not received:
-            return verdict(digest([], [], head0=0), received)
+            return verdict(digest([], [], head0=0), received,
+                           prefill_sends=self._digests.sends_digests(prefill))
         tokens = {n.tokens for n in received if not n.skip}
         slots = int(next(iter(views.values())).shape[2])
         if len(tokens) > 1 or (tokens and next(iter(tokens)) % slots):
@@ -250,6 +254,11 @@ class IntegrityFlow(Flow):
                          _block_range(blocks), "failed: kv_load_failure_policy decides"
                          if self._verify.action is KvVerifyAction.FAIL else "kv_verify_action=observe: "
                          "decoding anyway")
+        elif outcome.fails:
+            logger.warning("KV integrity: request %s could not be checked: the digest of prefill %s "
+                           "was lost (%s)%s", req_id, peer_str(prefill), outcome.skipped_because.value,
+                           "; failed, kv_load_failure_policy decides"
+                           if self._verify.action is KvVerifyAction.FAIL else "")
         elif outcome.outcome is KvVerifyOutcome.SKIPPED:
             logger.debug("KV integrity: request %s not checked (%s)", req_id,
                          outcome.skipped_because.value if outcome.skipped_because else "")

@@ -90,6 +90,7 @@ class PeerFlow(Flow):
         receives whose PUSH_REG reached only the old agents fail now."""
         logger.warning("Remote engine %s came back with a new NIXL agent (it restarted): "
                        "requests whose KV it held are failed now", peer_str(engine_id))
+        self._digests.forget_engine(engine_id)  # (it may be back without KV digests)
         for req_id in self._receives.registered_on(engine_id, old_agents):
             logger.warning("Request %s: failing its KV load (peer_restarted: the KV it waits for "
                            "was on engine %s's previous NIXL agent)", req_id, peer_str(engine_id))

@@ -279,7 +279,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         except Exception:
             self._internal_error(InternalStep.STEP, "tending peers and receives (tried again next step)")
         results = super().get_transfer_results()
-        mismatched = ()
+        mismatched = {}
         if results.finished_recving and self._verify_wanted:
             # KV integrity: before the scheduler sees the KV landed (a mismatch fails it).
             mismatched = self._verify_landed(results)
@@ -293,8 +293,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
             if results.finished_sending:
                 completed = self._leases_ended(results.finished_sending)
             failures = {req_id: self._receives.over(req_id) for req_id in results.finished_recving}
-            for req_id in mismatched:
-                failures[req_id] = ReceiveFailure.KV_MISMATCH
+            failures.update(mismatched)
         except Exception:
             # (vLLM still gets every result: a request it reports is over whatever our books say.)
             self._internal_error(InternalStep.STEP, "the step's WRITEs and results in the ledgers")

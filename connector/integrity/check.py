@@ -71,18 +71,30 @@ def write_digest(views: dict[int, Any], block_ids: list[int], own: HeadRange,
                   head0=carried.start)
 
 
+# Skips that mean a digest was lost, not that the prefill sends none: not checkable.
+_LOST = (KvVerifySkip.MISSING, KvVerifySkip.INCOMPLETE)
+
+
 @dataclass(frozen=True)
 class Verdict:
     outcome: KvVerifyOutcome
     skipped_because: KvVerifySkip | None = None
     layers: tuple[int, ...] = ()  # the layers whose digests differed
 
+    @property
+    def fails(self) -> bool:
+        """Whether `kv_verify_action=fail` fails the receive: a mismatch, or a digest lost
+        (the KV could not be checked and might be wrong)."""
+        return self.outcome is KvVerifyOutcome.MISMATCH or self.skipped_because in _LOST
 
-def verdict(own: Digest, received: Iterable[KvDigestNotif]) -> Verdict:
-    """D: its own digest against the sum of what each P rank sent for its heads."""
+
+def verdict(own: Digest, received: Iterable[KvDigestNotif], *, prefill_sends: bool = False) -> Verdict:
+    """D: its own digest against the sum of what each P rank sent for its heads.
+    `prefill_sends`: the prefill has sent digests before (none now: one was lost)."""
     received = list(received)
     if not received:
-        return Verdict(KvVerifyOutcome.SKIPPED, KvVerifySkip.STOCK_PREFILL)
+        return Verdict(KvVerifyOutcome.SKIPPED,
+                       KvVerifySkip.MISSING if prefill_sends else KvVerifySkip.STOCK_PREFILL)
     for notif in received:
         if notif.skip:
             try:
