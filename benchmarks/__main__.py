@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "leases": "benchmarks.leases",
     "telemetry-cost": "benchmarks.telemetry_cost",
     "scale": "benchmarks.scale",
+    "kv-verify": "benchmarks.kv_verify",
 }
 
 

@@ -54,7 +54,10 @@ class CoreState:
 
     finished: dict[str, Finished] = field(default_factory=dict)
     tokens: dict[str, list[int]] = field(default_factory=dict)
-    failed_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)  # as the scheduler saw them (any rank failed)
+    # Rank 0's own: its telemetry describes its view (another rank can fail a receive
+    # rank 0 landed, e.g. by its KV check of its heads).
+    failed_on_rank0: set[str] = field(default_factory=set)
     finished_recving: dict[str, float] = field(default_factory=dict)
     finished_sending: dict[str, float] = field(default_factory=dict)
     checks: list[Any] = field(default_factory=list)
@@ -243,13 +246,17 @@ class EngineCore:
                     failed_recving=out["failed_recving"], invalid_block_ids=out["invalid"],
                     kv_connector_stats=out["stats"])))
             self.state.checks.extend(out["checks"])
-            if rank == 0:  # (each rank counts its own work: rank 0's counts are per request)
-                if out["stats"] is not None:  # (a copy: the aggregator extends rank 0's in place)
+            # (each rank counts its own work: rank 0's counts are per request; a copy: the
+            # aggregator extends rank 0's in place)
+            if rank == 0:
+                self.state.failed_on_rank0 |= out["failed_recving"]
+                if out["stats"] is not None:
                     self.state.stats.append(copy.deepcopy(out["stats"].to_dict()))
-                self.state.failed_recving |= out["failed_recving"]
         merged = aggregator.aggregate(runner_outputs)
         kv = merged.kv_connector_output
         if kv is not None:
+            # (what the scheduler sees: a receive one rank failed, e.g. its KV check, failed)
+            self.state.failed_recving |= kv.failed_recving or set()
             for r in kv.finished_recving or ():
                 self.state.finished_recving[r] = now
             for r in kv.finished_sending or ():

@@ -77,20 +77,32 @@ def _as_bits(values: torch.Tensor) -> torch.Tensor:
     return values.contiguous().view(view).to(torch.int64)
 
 
-def layer_digest(cache: torch.Tensor, block_ids: list[int], *, layer: int, head0: int) -> torch.Tensor:
+# Bound on the int64 working copy of one chunk of blocks (the rest of the layer waits):
+# the digest adds at most this much device memory, whatever the prompt's length.
+CHUNK_BYTES = 32 << 20
+
+
+def layer_digest(cache: torch.Tensor, block_ids: list[int], *, layer: int, head0: int,
+                 chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """The digest (a 0-d int64 tensor, on the cache's device) of one layer's cache
     `[blocks, local heads, block size, channels]` over `block_ids`, in that order;
     `head0` is the global index of the cache's first head. Where K and V are separate
-    tensors, each is its own entry (a layer index of its own)."""
+    tensors, each is its own entry (a layer index of its own). The blocks are taken a
+    chunk at a time, so its working memory stays under `chunk_bytes`."""
     if cache.dim() != 4:
         raise ValueError(f"expected a [blocks, heads, block size, channels] view, got {tuple(cache.shape)}")
-    _, heads, _, channels = cache.shape
+    _, heads, slots, channels = cache.shape
     device = str(cache.device)
-    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=cache.device)
-    bits = _as_bits(cache.index_select(0, ids))  # [n, heads, slots, channels]: one gather
     weights = _value_weights(layer, head0, heads, channels, device)
-    per_token = (bits * weights).sum(dim=(1, 3)).reshape(-1)  # [n * slots], wraps modulo 2^64
-    return (per_token * _position_weights(per_token.numel(), device)).sum()
+    positions = _position_weights(len(block_ids) * slots, device)
+    per_chunk = max(1, chunk_bytes // (heads * slots * channels * 8))
+    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=cache.device)
+    total = torch.zeros((), dtype=torch.int64, device=cache.device)
+    for start in range(0, len(block_ids), per_chunk):
+        bits = _as_bits(cache.index_select(0, ids[start:start + per_chunk]))  # [n, heads, slots, channels]
+        per_token = bits.mul_(weights).sum(dim=(1, 3)).reshape(-1)  # [n * slots], wraps modulo 2^64
+        total += (per_token * positions[start * slots:start * slots + per_token.numel()]).sum()
+    return total
 
 
 @dataclass(frozen=True)

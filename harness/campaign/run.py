@@ -387,10 +387,12 @@ def counters(run: SeedRun, result: SeedResult, landed: set[str]) -> None:
     p_stats = [s for p in p_cores for s in p.state.stats]
     ok_receives = sum(1 for s in d_stats for r in s.get(StatKey.RECEIVES, ())
                       if isinstance(r, dict) and r.get("outcome") == "success")
-    d_failed = sum(len(d.state.failed_recving) for d in d_cores)
+    # (rank 0's view, which its telemetry counts: another rank may have failed a receive
+    # rank 0 landed, as a KV check of its heads does; the scheduler then recomputed it)
+    d_failed = sum(len(d.state.failed_on_rank0) for d in d_cores)
     failures = sum(_stat_counts(d_stats, StatKey.RECEIVE_FAILURES).values())
     pushes = sum(_stat_counts(p_stats, StatKey.PUSHES_COMPLETED).values())
-    landed_ok = sum(len(set(d.state.finished_recving) - d.state.failed_recving) for d in d_cores)
+    landed_ok = sum(len(set(d.state.finished_recving) - d.state.failed_on_rank0) for d in d_cores)
     expired_vllm = sum(len(s.get("num_kv_expired_reqs", ())) for s in p_stats)
     expired_ours = sum(_stat_counts(p_stats, StatKey.LEASE_EXPIRIES).values())
     push_fails = _stat_counts(p_stats, StatKey.PUSH_FAILS)
