@@ -199,7 +199,7 @@ preview: venv
 # Every benchmark (`python -m benchmarks <name>`; `python -m benchmarks --help` lists them), one after the
 # other: each prints its figures and writes .cache/bench/<name>/<name>.json (a PNG where a chart helps), with
 # its engine logs next to it. `overhead` and `leases` run real `vllm serve`.
-BENCHMARKS ?= handshake first-request producers backends leases telemetry-cost scale overhead
+BENCHMARKS ?= handshake first-request producers backends leases telemetry-cost scale overhead kv-verify
 bench: setup
 	@for b in $(BENCHMARKS); do $(PY) -m benchmarks $$b || exit 1; done
 
