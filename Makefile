@@ -128,6 +128,7 @@ test: setup lint check-dashboards
 # real-engine suites (faults, early and concurrent handshakes, failure paths, the other peer cases).
 # LANE033_ALL=1 / LANE034_ALL=1 run everything but real `vllm serve`.
 LANE_VLLM_SKIP := --ignore=tests/test_router.py --ignore=tests/test_dashboards.py --ignore=tests/test_kv_verify_mixed.py \
+  --ignore=tests/test_kv_verify.py --ignore=tests/test_kv_digest.py \
   --ignore=tests/test_telemetry_backends.py --ignore=tests/test_metric_registry.py \
   --ignore=tests/test_reliability_real.py --ignore=tests/test_bench_smoke.py \
   --ignore=tests/test_otlp_export.py --ignore=tests/test_write_span_placement.py --ignore=tests/test_exemplars.py \

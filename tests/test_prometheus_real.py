@@ -323,6 +323,8 @@ CORE = {
     # Push state: counters and gauges created at 0 at start-up.
     "Receives given up/s (D)", "PUSH_FAILs owed/s (P)", "WRITEs aborted/s (P)", "Peers forgotten",
     "Internal errors",
+    # KV integrity: counters and the digest histogram created at start-up; every push checked.
+    "KV integrity checks/s", "KV mismatches", "KV digest time p50 / p99",
     # Where TTFT goes: the connector's own stages.
     "D: wait for KV p50 / p95 / p99 by outcome", "P: prefill done -> WRITE posted p50 / p95 / p99",
     "P: PUSH_REG matched -> WRITE done p50 / p95 / p99",
