@@ -32,6 +32,7 @@ from dashboards.queries import (
     UNKNOWN_REQUEST,
     bucket,
     by,
+    eq,
     gauge,
     hcount,
     hsum,
@@ -637,7 +638,7 @@ def _reliability() -> list[Cell]:
     lost, sc_rejected = total(V.TELEMETRY_ERRORS), total(V.SIDE_CHANNEL_REJECTED)
     internal = total(V.INTERNAL_ERRORS)
     verify = total(V.KV_VERIFY)
-    mismatch = f'{Label.OUTCOME}="{V.KvVerifyOutcome.MISMATCH.value}"'
+    mismatch = eq(Label.OUTCOME, V.KvVerifyOutcome.MISMATCH.value)
     return [
         Cell(timeseries("KV integrity checks/s",
                         "Sampled receives a decode engine checked against the KV digest its prefill "

@@ -35,7 +35,7 @@ from connector.integrity.check import (
     verdict,
     write_digest,
 )
-from connector.integrity.digest import digest
+from connector.integrity.digest import Digest, digest
 from connector.integrity.policy import VerifyPolicy
 from connector.integrity.wire import KvDigestNotif, decode_kv_digest, encode_kv_digest
 from connector.state.digests import DigestInbox
@@ -222,9 +222,8 @@ class IntegrityFlow(Flow):
         views = self._kv_views
         if blocks is None or views is None:
             return Verdict(KvVerifyOutcome.SKIPPED, KvVerifySkip.SHAPE)
-        if not received:
-            return verdict(digest([], [], head0=0), received,
-                           prefill_sends=self._digests.sends_digests(prefill))
+        if not received:  # (nothing to compare: no digest of D's own is computed)
+            return verdict(Digest((), ()), received, prefill_sends=self._digests.sends_digests(prefill))
         tokens = {n.tokens for n in received if not n.skip}
         slots = int(next(iter(views.values())).shape[2])
         if len(tokens) > 1 or (tokens and next(iter(tokens)) % slots):
