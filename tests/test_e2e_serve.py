@@ -117,6 +117,14 @@ def external_tokens(stack: Stack) -> float:
     return count(stack.decode, EXTERNAL[0], **EXTERNAL[1])
 
 
+def receive_endings(stack: Stack) -> dict[str, float]:
+    """D's receive failures by reason and KV check verdicts: what an assertion on external
+    tokens reports when it fails (why D recomputed instead of loading)."""
+    data = metric(stack.decode)
+    names = {RECEIVE_FAILURES.name + "_total": "reason", KV_VERIFY.name + "_total": "outcome"}
+    return {f"{name}{{{lab.get(names[name])}}}": v for name, lab, v in data if name in names and v}
+
+
 def renewals(server: Any) -> float:
     return count(server, KV_LEASE_RENEWALS.name + "_total", outcome="renewed")
 
@@ -529,7 +537,7 @@ def test_prefill_restart_fails_the_caught_request_fast_and_new_requests_work(sta
     after = drive.run(stack.router.url, new_p.url, drive.make_prompts(2, seed=61), prefix="e2e-after",
                       max_tokens=MAX_TOKENS)
     assert all(o.ok for o in after), [o.error for o in after]
-    assert external_tokens(stack) - external == sum(len(o.prompt) for o in after)
+    assert external_tokens(stack) - external == sum(len(o.prompt) for o in after), receive_endings(stack)
 
 
 def test_requests_sent_right_after_a_prefill_restart_all_get_their_kv(stack: Stack) -> None:
@@ -550,7 +558,7 @@ def test_requests_sent_right_after_a_prefill_restart_all_get_their_kv(stack: Sta
     outs = drive.run(stack.router.url, new_p.url, prompts, prefix="e2e-right-after", max_tokens=MAX_TOKENS,
                      concurrency=3)
     assert all(o.ok for o in outs), [o.error or "differs from the reference" for o in outs]
-    assert external_tokens(stack) - external == sum(len(p) for p in prompts)  # (not recomputed)
+    assert external_tokens(stack) - external == sum(len(p) for p in prompts), receive_endings(stack)
     assert count(stack.decode, RECEIVE_FAILURES.name + "_total") == failures
     assert count(stack.decode, PEER_RESETS.name + "_total") > resets  # (D did meet the dead agent)
 
