@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import time
 import warnings
@@ -571,6 +572,15 @@ def test_every_process_started_is_gone_after_close(stack: Stack) -> None:
 
 
 # ------------------------------------------------------------------ stock, the control
+# Stock vLLM's behaviour does not change with this tree: the two controls below run on
+# `make serve-stock` (E2E_STOCK=1), not in CI, whose budget they would cost a third deployment
+# start. CI keeps the same comparisons one level down, with real NIXL: the shapes matrix
+# (saved == what stock's full handshake prepared, every shape) and tests/test_leases.py
+# (stock lets the queued requests' leases expire).
+stock_control = pytest.mark.skipif(os.environ.get("E2E_STOCK") != "1",
+                                   reason="stock control on real vllm serve: make serve-stock (E2E_STOCK=1)")
+
+
 @pytest.fixture(scope="module")
 def stock(tmp_path_factory: pytest.TempPathFactory) -> Any:
     work = tmp_path_factory.mktemp("e2e-stock")
@@ -580,6 +590,7 @@ def stock(tmp_path_factory: pytest.TempPathFactory) -> Any:
     s.close()
 
 
+@stock_control
 def test_stock_prepares_for_its_heartbeat_handshake_the_descriptors_the_fork_saves(
         first_request: dict[str, Any], stock: Stack) -> None:
     """The same first request on stock vLLM: its heartbeat-triggered D->P handshake is a full
@@ -598,6 +609,7 @@ def test_stock_prepares_for_its_heartbeat_handshake_the_descriptors_the_fork_sav
     assert sum(created) == first_request["saved"]
 
 
+@stock_control
 def test_stock_lets_queued_requests_lose_their_kv(stock: Stack) -> None:
     """The same burst on stock vLLM: the heartbeats renew nothing, P releases the KV of the
     queued requests (vLLM's own expiry count rises) and they wait on D (cut short here)."""
