@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from harness.campaign.plan import EXTRA_CONFIG, HOLD_S, UNMATCHED_S, make_plan
+from harness.campaign.plan import EXTRA_CONFIG, HOLD_S, UNMATCHED_S, Plan, make_plan
 from harness.campaign.run import run_seed
 from harness.cluster import rank_context
 from harness.config import EngineSpec
@@ -38,7 +37,7 @@ CORRUPTING_SEED, CORRUPT_SHARE = 9, 0.25
 DEFECT_REQUESTS = 100  # the deliberate defect's seed (5): enough for it to strike many times
 
 
-def _defect_plan() -> Any:
+def _defect_plan() -> Plan:
     """Seed 5 without corrupted KV: whatever goes wrong is the defect's doing."""
     plan = make_plan(5, DEFECT_REQUESTS)
     plan.corrupt = 0.0
