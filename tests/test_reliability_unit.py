@@ -27,6 +27,7 @@ from connector.vocabulary import (
     REGISTRATION_ARRIVAL_KEY,
     Direction,
     ErrorType,
+    PeerReset,
     PushRegRejection,
     StatKey,
     TelemetryError,
@@ -476,3 +477,27 @@ def test_the_router_hands_each_kind_to_its_owner_and_a_fault_costs_one_notificat
                     ("fault", "notification"), ("pass", None)]
 
 
+
+
+# ------------------------------------------------- a prefill silent for long, come back
+def test_a_receive_started_after_its_prefill_went_silent_gets_its_own_chance():
+    """D dropped P long ago and heard nothing since (P restarting for longer than D's
+    handshake retries). A new request for P must not be given up as unreachable before
+    its own PUSH_REG was sent: that send starts the re-handshake that finds P back. (The
+    main thread tends peers each step; the writer may take the PUSH_REG only after it.)
+    A receive that has itself waited the whole bound is still given up."""
+    from connector.glue.worker import ObservedPushWorker
+    from connector.state.receives import ReceiveState
+
+    w = ObservedPushWorker.without_engine("kv_consumer", engine_id="me")
+    now = time.perf_counter()
+    bound = w._unreachable_after_s
+    w._connections.dropped("p", PeerReset.NOTIFICATION_FAILED, now - 2 * bound, kept_transfer_info=False)
+    assert w._connections.unreachable(now, bound) == ["p"]  # (the state the race needs)
+    reg = {"remote_engine_id": "p", "remote_host": "10.0.0.1", "remote_port": 5600}
+    w._receives.start({"old": reg}, now - 1.5 * bound)
+    w._receives.start({"new": reg}, now)
+    w._tend_peers()
+    assert w._receives.state_of("new") is ReceiveState.QUEUED  # its PUSH_REG still goes
+    assert w._receives.begin_send("new") == 1
+    assert w._receives.state_of("old") is ReceiveState.FAILING  # waited the bound itself

@@ -111,8 +111,13 @@ class Flow:
         """LeaseFlow: the lease gauges' clock and D's kept heartbeats."""
         raise NotImplementedError
 
-    def _init_peers(self) -> None:
-        """PeerFlow: its timings, and P's idle-poll thread."""
+    def _init_peers(self, extra: Any) -> None:
+        """PeerFlow: its timings."""
+        raise NotImplementedError
+
+    def _start_idle_poll(self) -> None:
+        """PeerFlow: P's idle-poll thread (the worker's `__init__` only: a worker built
+        without an engine starts no thread)."""
         raise NotImplementedError
 
     def _init_integrity(self, extra: Any) -> None:

@@ -68,8 +68,7 @@ PROBE_TIMEOUT_MS = 2000
 class PeerFlow(Flow):
     """Mixin for `NixlPushConnectorWorker`: dead peers dropped, waiting requests failed."""
 
-    def _init_peers(self) -> None:
-        extra = self.kv_transfer_config.get_from_extra_config
+    def _init_peers(self, extra: Any) -> None:
         lease = settings.lease_s(extra)
         # D gives up receives bound to a dropped P silent this long.
         self._unreachable_after_s = lease + max(1.0, lease // 6)
@@ -77,6 +76,8 @@ class PeerFlow(Flow):
         self._resend_after_s = settings.push_reg_resend_s(extra)
         self._tended_at = 0.0
         self._idle_stop = threading.Event()
+
+    def _start_idle_poll(self) -> None:
         if self._kv_role != "kv_consumer":
             threading.Thread(target=self._poll_while_idle, name="nixl-idle-poll", daemon=True).start()
 
@@ -139,8 +140,12 @@ class PeerFlow(Flow):
         now = time.perf_counter()
         if self._connections.need_tending:
             self._reset_suspects(now)
+            # Only receives that have waited as long themselves: a newer one's PUSH_REG
+            # may not have left yet (the writer takes it after this step), and its
+            # send starts the re-handshake that finds a prefill come back.
+            cutoff = now - self._unreachable_after_s
             for engine_id in self._connections.unreachable(now, self._unreachable_after_s):
-                for req_id in self._receives.waiting_on(engine_id):
+                for req_id in self._receives.waiting_on(engine_id, started_before=cutoff):
                     self._give_up_receive(req_id, ReceiveAbandon.PEER_UNREACHABLE)
         for req_id, why in self._receives.due(now):
             logger.warning("Request %s: failing its KV load (%s); no WRITE into its blocks can "

@@ -15,6 +15,7 @@ it fails its request through the failure path (`_log_failure`), logged at ERROR.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -118,7 +119,8 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         self._init_push(extra)
         self._init_integrity(extra)
         self._init_leases()
-        self._init_peers()
+        self._init_peers(extra)
+        self._start_idle_poll()
         # vLLM's writer reads NIXL notifications through this (connector/glue/notifications.py);
         # handshakes' NIXL calls are measured below it (telemetry/handshake_calls.py).
         self.nixl_wrapper = NotificationRouter(HandshakeCallObserver(self.nixl_wrapper), Owners(
@@ -144,12 +146,14 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         worker._handshake_lock = threading.RLock()
         worker._remote_agents = RemoteAgentTable()
         worker._handshake_futures, worker._engine_clock_offset, worker._engine_last_active = {}, {}, {}
+        worker._failed_recv_reqs = queue.Queue()  # (vLLM's: the receives failed for its next step)
         worker._handshake_pool = handshake_pool
         worker._retry_policy = RetryPolicy.from_extra_config(lambda key, default=None: get(key, default))
         worker._init_state(lambda key, default=None: get(key, default), tracer)
         worker._init_push(lambda key, default=None: get(key, default))
         worker._init_integrity(lambda key, default=None: get(key, default))
         worker._init_leases()
+        worker._init_peers(lambda key, default=None: get(key, default))
         return worker
 
     def _init_state(self, extra: Any, tracer: Any) -> None:

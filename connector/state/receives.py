@@ -290,11 +290,12 @@ class ReceiveLedger:
             return [r.req_id for r in recs if r.agents and r.agents <= agents
                     and r.state is not ReceiveState.FAILING]
 
-    def waiting_on(self, engine_id: str) -> list[str]:
-        """Receives still waiting for this engine (not abandoned, not over)."""
+    def waiting_on(self, engine_id: str, started_before: float = float("inf")) -> list[str]:
+        """Receives still waiting for this engine (not abandoned, not over), of those
+        started before `started_before` (perf_counter)."""
         with self._lock:
             return [r for r in self._by_engine.get(engine_id, ())
-                    if self._receives[r].state in _WAITING]
+                    if self._receives[r].state in _WAITING and self._receives[r].started_at < started_before]
 
     def engines_waited_on(self) -> set[str]:
         """Prefills that hold a PUSH_REG of a receive still waiting."""
