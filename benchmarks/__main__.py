@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "telemetry-cost": "benchmarks.telemetry_cost",
     "scale": "benchmarks.scale",
     "kv-verify": "benchmarks.kv_verify",
+    "engine-cpu": "benchmarks.engine_cpu",
 }
 
 

@@ -198,8 +198,10 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
 class Pair:
     """A P and a D `vllm serve` with one connector and tracing mode, and their router."""
 
-    def __init__(self, workdir: Path, connector: str, mode: str, model: Path, otlp: str):
+    def __init__(self, workdir: Path, connector: str, mode: str, model: Path, otlp: str,
+                 kv_overrides: dict[str, Any] | None = None):
         self.workdir, self.connector, self.mode, self.model = workdir, connector, mode, model
+        self.kv_overrides = STOCK_OVERRIDES if connector == "stock" else kv_overrides
         self.otlp = otlp if mode != "off" else None
         self.servers: list[VllmServer] = []
         self.router: RouterProcess | None = None
@@ -209,8 +211,8 @@ class Pair:
         env = MODES[self.mode]
         kw: dict[str, Any] = {"model": self.model, "connector": self.connector,
                               "otlp_endpoint": self.otlp, "extra_env": dict(env)}
-        if self.connector == "stock":
-            kw["kv_overrides"] = STOCK_OVERRIDES
+        if self.kv_overrides:
+            kw["kv_overrides"] = self.kv_overrides
         self.workdir.mkdir(parents=True, exist_ok=True)
         tag = f"{self.connector}-{self.mode}"
         for name, role, cpu in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1)):
