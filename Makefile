@@ -35,7 +35,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 
 .PHONY: chaos
-.PHONY: serve-stock
+.PHONY: serve-stock scale
 .PHONY: setup venv system-deps test lint check-dashboards dashboards demo demo-harness bench soak faults load clean venv-vllm033 venv-vllm033-deps test-vllm033 \
   venv-vllm034 venv-vllm034-deps test-vllm034
 .PHONY: preview
@@ -180,6 +180,12 @@ serve-stock: setup
 soak: setup
 	SOAK=1 $(PY) -m pytest -q -p no:cacheprovider -s tests/test_soak_serve.py
 
+# Opt-in: P's step time while it holds the KV of SCALE_REQUESTS requests queued on D (real `vllm serve`,
+# fork and stock; python -m benchmarks depth --help).
+SCALE_REQUESTS ?= 1000
+scale: setup
+	$(PY) -m benchmarks depth --requests $(SCALE_REQUESTS)
+
 # Opt-in network and host faults between P and D on separate hosts (network namespaces: needs root).
 faults: setup
 	FAULTS=1 $(PY) -m pytest -q -p no:cacheprovider -s tests/test_network_faults.py
@@ -205,7 +211,7 @@ preview: venv
 # Every benchmark (`python -m benchmarks <name>`; `python -m benchmarks --help` lists them), one after the
 # other: each prints its figures and writes .cache/bench/<name>/<name>.json (a PNG where a chart helps), with
 # its engine logs next to it. `overhead` and `leases` run real `vllm serve`.
-BENCHMARKS ?= handshake first-request producers backends leases telemetry-cost scale overhead kv-verify
+BENCHMARKS ?= handshake first-request producers backends leases telemetry-cost scale overhead kv-verify engine-cpu
 bench: setup
 	@for b in $(BENCHMARKS); do $(PY) -m benchmarks $$b || exit 1; done
 

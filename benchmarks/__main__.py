@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "scale": "benchmarks.scale",
     "kv-verify": "benchmarks.kv_verify",
     "engine-cpu": "benchmarks.engine_cpu",
+    "depth": "benchmarks.depth",
 }
 
 

@@ -63,3 +63,29 @@ def test_telemetry_cost_smoke_exports_the_connectors_spans_per_request(tmp_path)
     assert traced["vllm_us"] > 0 and off["vllm_us"] == 0
     assert set(traced["stages_us"]) == {"receive_start", "register", "write_start", "write_done",
                                         "landed", "stats", "serialise", "observe", "export"}
+
+
+def test_engine_cpu_names_threads_by_role_and_compares_each_round_with_its_stock_pair():
+    from benchmarks.engine_cpu import role, summarize
+
+    assert role("MainThread") == "main"
+    assert role("nixl-push-writer") == "push writer"
+    assert role("nixl-handshake_3") == role("vllm-nixl-handshake-initiator_0") == "handshakes"
+    assert role("Thread-12 (process_input_sockets)") == "other Python: Thread-N (process_input_sockets)"
+    assert role(None) == "native (NIXL/UCX, torch)"
+
+    def row(rnd: int, variant: str, p_main: float, wall_s: float) -> dict:
+        return {"round": rnd, "variant": variant, "requests": 10, "wall_s": wall_s,
+                "ms_per_request": {"P total": p_main + 1.0, "P worker: main": p_main}}
+
+    runs = [row(0, "fork", 12.0, 1.0), row(0, "stock", 10.0, 1.0),   # +2 ms in round 1
+            row(1, "stock", 20.0, 2.0), row(1, "fork", 21.0, 2.2),   # +1 ms in round 2 (a slower pair)
+            row(2, "fork", 9.0, 1.0), row(2, "stock", 10.0, 1.0),    # -1 ms in round 3
+            row(3, "fork", 30.0, 1.0)]                               # no stock pair: left out
+    by_group = {r["group"]: r for r in summarize(runs, "fork")}
+    main_row = by_group["P worker: main"]
+    assert (main_row["ms"], main_row["stock_ms"], main_row["diff_ms"]) == (12.0, 10.0, 1.0)
+    assert (main_row["diff_min_ms"], main_row["diff_max_ms"], main_row["rounds_higher"]) == (-1.0, 2.0, 2)
+    assert main_row["rounds"] == 3
+    wall = by_group["wall time per request"]
+    assert wall["diff_ms"] == 0.0 and wall["diff_pct"] == [0.0, 10.0, 0.0]

@@ -1,0 +1,184 @@
+"""P's step time while it holds the KV of a thousand requests queued on D, fork and stock, real `vllm serve`.
+
+The deployment where leases matter most: a decoder that falls behind. Per connector, a
+P/D pair of real `vllm serve` behind the project's router (D one sequence at a time,
+`--max-num-seqs 1`, kept busy by a long local request; P kept stepping by requests of
+its own, as a prefill in production always has work). `--requests` requests go through
+the router at once: P prefills each and holds its KV under a lease, D queues them all.
+D stays busy for `--hold-s` after P holds them all (longer than a lease, so only D's
+heartbeats keep the leases), then is let go and serves the queue.
+
+Reported per connector:
+- P's step time with nothing held and while it holds every request's KV: the mean of
+  vLLM's own `vllm:inter_token_latency_seconds` on P over each window (P's local
+  requests decode one token per engine step, so their inter-token latency is the step);
+- what P held (the fork's `vllm:nixl_kv_leases_held`), lease expiries (vLLM's count of
+  released leases and the fork's), renewals;
+- the requests: answered, and how many prompt tokens D loaded over NIXL
+  (`vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`) against the
+  prompt tokens sent: the fork must load every request's KV; stock's leases expire
+  under the queue and its requests are recomputed.
+
+Opt-in (`make scale`), not in CI: a few minutes per connector. Figures, not checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from benchmarks.common import BenchRun
+from benchmarks.overhead import STOCK_OVERRIDES
+from connector.glue import settings
+from connector.vocabulary import (
+    KV_LEASE_EXPIRIES,
+    KV_LEASE_RENEWALS,
+    KV_LEASES_HELD,
+    PUSHES,
+    ROUTER_LEG_DURATION,
+    RouterLabel,
+    RouterLeg,
+)
+from demo import drive, report
+from demo.stack import EngineOptions, Stack
+from harness.poll import wait_until
+
+EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's own count of released leases
+ITL = "vllm:inter_token_latency_seconds"
+PREFILL_LEGS = (ROUTER_LEG_DURATION.name + "_count", {RouterLabel.LEG: RouterLeg.PREFILL.value})
+PROMPT_TOKENS = 48  # three blocks each: a thousand fit P's demo cache (64 MiB, 1 KiB a token)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--requests", type=int, default=1000, help="requests queued on D at once")
+    ap.add_argument("--connectors", default="fork,stock")
+    ap.add_argument("--lease-s", type=float, default=20.0, help="kv_lease_duration on both engines")
+    ap.add_argument("--hold-s", type=float, default=30.0,
+                    help="how long D stays busy after P holds every request (more than a lease)")
+    ap.add_argument("--window-s", type=float, default=15.0, help="P's step-time window with nothing held")
+    ap.add_argument("--max-tokens", type=int, default=4)
+
+
+def _samples(server: Any) -> list[report.Sample]:
+    return report.samples(server.metrics())
+
+
+def _total(samples: list[report.Sample], name: str, **labels: str) -> float:
+    return report.total(samples, name, missing_ok=True, **labels)
+
+
+def _prefill_legs(router: Any) -> float:
+    """Prefill legs the router has seen end (P answered each: it holds the request's KV)."""
+    return _total(report.samples(router.metrics()), PREFILL_LEGS[0], **PREFILL_LEGS[1])
+
+
+def _itl(server: Any) -> tuple[float, float]:
+    """(sum, count) of P's inter-token latency histogram so far."""
+    s = _samples(server)
+    return _total(s, ITL + "_sum"), _total(s, ITL + "_count")
+
+
+def _mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    n = after[1] - before[1]
+    return (after[0] - before[0]) / n * 1e3 if n > 0 else None
+
+
+def options(connector: str, lease_s: float) -> dict[str, Any]:
+    lease = {"kv_connector_extra_config": {"kv_lease_duration": lease_s}}
+    return {"connector": connector,
+            "kv_overrides": STOCK_OVERRIDES if connector == "stock" else None,
+            "prefill": EngineOptions(kv=lease),
+            "decode": EngineOptions(kv={**lease, "kv_load_failure_policy": "recompute"},
+                                    args=("--max-num-seqs", "1"), max_model_len=4096)}
+
+
+def one(connector: str, args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
+    work = bench.dir / connector
+    t = time.monotonic()
+    stack = Stack(work, **options(connector, args.lease_s))
+    try:
+        stack.start()
+        assert stack.prefill is not None and stack.decode is not None and stack.router is not None
+        p, d, url = stack.prefill, stack.decode, stack.router.url
+        bench.say(f"{connector}: P, D and the router up in {time.monotonic() - t:.0f} s (logs in {work})")
+        prompts = drive.make_prompts(args.requests, seed=77, lengths=(PROMPT_TOKENS,))
+        with drive.KeepStepping(p.url):
+            wait_until(lambda: _itl(p)[1] > 0, "P's local requests to step", 120, 0.5)
+            idle0 = _itl(p)
+            time.sleep(args.window_s)  # P's step time with nothing held: the window itself
+            idle = _mean_ms(idle0, _itl(p))
+            p0, d0 = _samples(p), _samples(d)
+            outcomes: list[drive.Outcome | None] = [None] * len(prompts)
+            with drive.Busy(d.url):
+                pool = ThreadPoolExecutor(len(prompts))
+
+                def send(i: int) -> None:
+                    outcomes[i] = drive.disaggregated(url, prompts[i], f"depth-{connector}-{i:04d}",
+                                                      args.max_tokens, timeout_s=1800)
+
+                futures = [pool.submit(send, i) for i in range(len(prompts))]
+                t = time.monotonic()
+                legs0 = _prefill_legs(stack.router)
+                wait_until(lambda: _prefill_legs(stack.router) - legs0 >= len(prompts),
+                           f"P to prefill all {len(prompts)} requests", 900, 2.0,
+                           last=lambda: f"{_prefill_legs(stack.router) - legs0:.0f} prefilled")
+                bench.say(f"{connector}: P prefilled all {len(prompts)} requests in "
+                          f"{time.monotonic() - t:.0f} s; "
+                          f"D holds them behind its busy request for {args.hold_s:.0f} s")
+                held0, t_hold = _itl(p), time.monotonic()
+                held_max = 0.0
+                while time.monotonic() - t_hold < args.hold_s:  # the held window; P sampled every 2 s
+                    held_max = max(held_max, _total(_samples(p), KV_LEASES_HELD.name))
+                    time.sleep(2.0)
+                held = _mean_ms(held0, _itl(p))
+            t = time.monotonic()
+            for fut in futures:
+                fut.result()
+            pool.shutdown()
+            bench.say(f"{connector}: D served the queue in {time.monotonic() - t:.0f} s")
+        p1, d1 = _samples(p), _samples(d)
+    finally:
+        stack.close()
+    done = [o for o in outcomes if o is not None]
+    errors = [o.error for o in done if o.error]
+    sent_tokens = sum(len(x) for x in prompts)
+    external = _total(d1, EXTERNAL[0], **EXTERNAL[1]) - _total(d0, EXTERNAL[0], **EXTERNAL[1])
+    return {"connector": connector, "requests": len(prompts), "answered": len(done) - len(errors),
+            "errors": len(errors), "first_errors": errors[:3],
+            "p_step_ms_idle": idle, "p_step_ms_holding": held, "leases_held_max": held_max,
+            "prompt_tokens_sent": sent_tokens, "prompt_tokens_over_nixl": external,
+            "kv_over_nixl_pct": 100 * external / sent_tokens if sent_tokens else 0.0,
+            "vllm_expired": _total(p1, EXPIRED) - _total(p0, EXPIRED),
+            "fork_expiries": _total(p1, KV_LEASE_EXPIRIES.name + "_total")
+            - _total(p0, KV_LEASE_EXPIRIES.name + "_total"),
+            "renewals": _total(p1, KV_LEASE_RENEWALS.name + "_total", outcome="renewed")
+            - _total(p0, KV_LEASE_RENEWALS.name + "_total", outcome="renewed"),
+            "pushes_completed": _total(p1, PUSHES.name + "_total", outcome="completed")
+            - _total(p0, PUSHES.name + "_total", outcome="completed")}
+
+
+def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
+    if args.hold_s <= args.lease_s:
+        raise SystemExit("--hold-s must be longer than --lease-s (only D's heartbeats keep the KV then)")
+    rows = [one(c, args, bench) for c in args.connectors.split(",") if c]
+    print(f"\nP's step time holding the KV of {args.requests} requests queued on D, {bench.date[:10]}, "
+          f"commit {bench.commit}: lease {args.lease_s:.0f} s, D busy {args.hold_s:.0f} s after P held them "
+          "all; "
+          "P's step = mean inter-token latency of its own requests (vLLM's histogram)")
+    print(f"{'connector':<9} {'step, none held':>15} {'step, holding':>13} {'held (max)':>10} "
+          f"{'answered':>8} {'KV over NIXL':>12} {'expired (vLLM)':>14} {'renewals':>8}")
+    for r in rows:
+        def ms(v: float | None) -> str:
+            return f"{v:.2f} ms" if v is not None else "-"
+        print(f"{r['connector']:<9} {ms(r['p_step_ms_idle']):>15} {ms(r['p_step_ms_holding']):>13} "
+              f"{r['leases_held_max']:>10.0f} {r['answered']:>8} {r['kv_over_nixl_pct']:>11.1f}% "
+              f"{r['vllm_expired']:>14.0f} {r['renewals']:>8.0f}")
+        if r["errors"]:
+            print(f"  {r['connector']}: {r['errors']} requests failed, e.g. {r['first_errors']}")
+    return {"lease_s": args.lease_s, "hold_s": args.hold_s, "max_tokens": args.max_tokens,
+            "prompt_tokens": PROMPT_TOKENS, "rows": rows,
+            "default_lease_s": settings.lease_s(lambda _key, default=None: default)}
+
