@@ -145,15 +145,19 @@ def measure(pair: Pair, spy: str, args: argparse.Namespace, rnd: int, tag: str) 
     wall = time.monotonic() - t0
     cpu = cpu_delta(cpu0, thread_cpu(kinds))
     names: dict[int, str] = {}
+    unnamed = []  # processes py-spy could not read: their threads other than the main one count as native
     for pid in kinds:
-        names.update(_python_threads(spy, pid))
+        found = _python_threads(spy, pid)
+        names.update(found or {pid: "MainThread"})  # (a process's main thread has its pid as thread id)
+        if not found:
+            unnamed.append(f"{kinds[pid][0]} {kinds[pid][1]}")
     n = max(args.requests - failed, 1)
     groups: collections.Counter[str] = collections.Counter()
     for (pid, tid), seconds in cpu.items():
         engine, kind = kinds[pid]
         groups[f"{engine} {kind}: {role(names.get(tid))}"] += seconds
         groups[f"{engine} total"] += seconds
-    return {"requests": args.requests, "failed": failed + failed_warm, "wall_s": wall,
+    return {"requests": args.requests, "failed": failed + failed_warm, "wall_s": wall, "unnamed": unnamed,
             "latency_p50_ms": statistics.median(latencies) * 1e3 if latencies else None,
             "ms_per_request": {g: s / n * 1e3 for g, s in sorted(groups.items())}}
 
@@ -185,7 +189,9 @@ def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
                 per = row["ms_per_request"]
                 bench.say(f"round {rnd + 1} {variant}: {args.requests} requests in {row['wall_s']:.1f} s, "
                           f"P {per.get('P total', 0):.1f} ms and D {per.get('D total', 0):.1f} ms "
-                          "CPU per request" + (f", {row['failed']} failed" if row["failed"] else ""))
+                          "CPU per request" + (f", {row['failed']} failed" if row["failed"] else "")
+                          + (f"; py-spy named no thread of {', '.join(row['unnamed'])} (counted native)"
+                             if row["unnamed"] else ""))
     finally:
         rx.close()
     tables = {v: summarize(runs, v) for v in variants if v != "stock"}
