@@ -25,6 +25,7 @@ Opt-in (`make scale`), not in CI: a few minutes per connector. Figures, not chec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,15 +33,7 @@ from typing import Any
 from benchmarks.common import BenchRun
 from benchmarks.overhead import STOCK_OVERRIDES
 from connector.glue import settings
-from connector.vocabulary import (
-    KV_LEASE_EXPIRIES,
-    KV_LEASE_RENEWALS,
-    KV_LEASES_HELD,
-    PUSHES,
-    ROUTER_LEG_DURATION,
-    RouterLabel,
-    RouterLeg,
-)
+from connector.vocabulary import KV_LEASE_EXPIRIES, KV_LEASE_RENEWALS, KV_LEASES_HELD, PUSHES
 from demo import drive, report
 from demo.stack import EngineOptions, Stack
 from harness.poll import wait_until
@@ -48,8 +41,11 @@ from harness.poll import wait_until
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's own count of released leases
 ITL = "vllm:inter_token_latency_seconds"
-PREFILL_LEGS = (ROUTER_LEG_DURATION.name + "_count", {RouterLabel.LEG: RouterLeg.PREFILL.value})
-PROMPT_TOKENS = 48  # three blocks each: a thousand fit P's demo cache (64 MiB, 1 KiB a token)
+BUSY_QUEUED = 3  # more local requests queued on D behind its running one, before the burst
+PROMPT_HIST = "vllm:request_prompt_tokens"  # vLLM's buckets 1, 2, 5, 10, 20, 50, ... tokens
+# Three blocks each (a thousand fit P's demo cache: 64 MiB, 1 KiB a token), longer than P's own
+# stepping requests (16 tokens).
+PROMPT_TOKENS = 48
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -60,6 +56,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="how long D stays busy after P holds every request (more than a lease)")
     ap.add_argument("--window-s", type=float, default=15.0, help="P's step-time window with nothing held")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--drain-stock", action="store_true",
+                    help="wait for stock's D to serve its queue (each request whose lease ran out waits "
+                         "push_registration_timeout, 480 s)")
 
 
 def _samples(server: Any) -> list[report.Sample]:
@@ -70,9 +69,15 @@ def _total(samples: list[report.Sample], name: str, **labels: str) -> float:
     return report.total(samples, name, missing_ok=True, **labels)
 
 
-def _prefill_legs(router: Any) -> float:
-    """Prefill legs the router has seen end (P answered each: it holds the request's KV)."""
-    return _total(report.samples(router.metrics()), PREFILL_LEGS[0], **PREFILL_LEGS[1])
+def _prefilled(server: Any) -> float | None:
+    """Requests P finished with prompts longer than its own stepping requests' (the queued
+    requests' prefills: P holds the KV of each); None when P's /metrics did not answer."""
+    try:
+        s = _samples(server)
+    except OSError:  # (P busy prefilling a thousand requests: asked again at the next poll)
+        return None
+    short = sum(v for n, lab, v in s if n == PROMPT_HIST + "_bucket" and float(lab.get("le", "inf")) == 20.0)
+    return _total(s, PROMPT_HIST + "_count") - short
 
 
 def _itl(server: Any) -> tuple[float, float]:
@@ -97,6 +102,10 @@ def options(connector: str, lease_s: float) -> dict[str, Any]:
 
 def one(connector: str, args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
     work = bench.dir / connector
+    # Stock's requests whose lease ran out wait push_registration_timeout (480 s) on D for KV that will
+    # not come: P's figures are taken and the queue is not waited for, unless --drain-stock.
+    drain = connector != "stock" or args.drain_stock
+    pool: ThreadPoolExecutor | None = None
     t = time.monotonic()
     stack = Stack(work, **options(connector, args.lease_s))
     try:
@@ -112,42 +121,54 @@ def one(connector: str, args: argparse.Namespace, bench: BenchRun) -> dict[str, 
             idle = _mean_ms(idle0, _itl(p))
             p0, d0 = _samples(p), _samples(d)
             outcomes: list[drive.Outcome | None] = [None] * len(prompts)
-            with drive.Busy(d.url):
+            with contextlib.ExitStack() as busy:  # D's one slot taken, local requests queued first
+                busy.enter_context(drive.Busy(d.url))  # (each runs about 40 s here: more than enough)
+                for seed in range(BUSY_QUEUED):
+                    busy.enter_context(drive.Busy(d.url, seed=6 + seed, wait=False))
                 pool = ThreadPoolExecutor(len(prompts))
 
                 def send(i: int) -> None:
                     outcomes[i] = drive.disaggregated(url, prompts[i], f"depth-{connector}-{i:04d}",
                                                       args.max_tokens, timeout_s=1800)
 
+                prefilled0 = _prefilled(p)
+                assert prefilled0 is not None, "P's /metrics did not answer"
                 futures = [pool.submit(send, i) for i in range(len(prompts))]
                 t = time.monotonic()
-                legs0 = _prefill_legs(stack.router)
-                wait_until(lambda: _prefill_legs(stack.router) - legs0 >= len(prompts),
-                           f"P to prefill all {len(prompts)} requests", 900, 2.0,
-                           last=lambda: f"{_prefill_legs(stack.router) - legs0:.0f} prefilled")
+
+                def prefilled() -> float:
+                    return (_prefilled(p) or prefilled0) - prefilled0
+
+                wait_until(lambda: prefilled() >= len(prompts), f"P to prefill all {len(prompts)} requests",
+                           900, 2.0, last=lambda: f"{prefilled():.0f} prefilled")
                 bench.say(f"{connector}: P prefilled all {len(prompts)} requests in "
                           f"{time.monotonic() - t:.0f} s; "
                           f"D holds them behind its busy request for {args.hold_s:.0f} s")
                 held0, t_hold = _itl(p), time.monotonic()
                 held_max = 0.0
                 while time.monotonic() - t_hold < args.hold_s:  # the held window; P sampled every 2 s
-                    held_max = max(held_max, _total(_samples(p), KV_LEASES_HELD.name))
+                    with contextlib.suppress(OSError):
+                        held_max = max(held_max, _total(_samples(p), KV_LEASES_HELD.name))
                     time.sleep(2.0)
                 held = _mean_ms(held0, _itl(p))
+                early = sum(f.done() for f in futures)  # (0: D held the whole queue until let go)
             t = time.monotonic()
-            for fut in futures:
-                fut.result()
-            pool.shutdown()
-            bench.say(f"{connector}: D served the queue in {time.monotonic() - t:.0f} s")
+            if drain:
+                for fut in futures:
+                    fut.result()
+                bench.say(f"{connector}: D served the queue in {time.monotonic() - t:.0f} s")
         p1, d1 = _samples(p), _samples(d)
     finally:
         stack.close()
-    done = [o for o in outcomes if o is not None]
+        if pool is not None:  # (not drained: the requests end as the router goes)
+            pool.shutdown(wait=True, cancel_futures=True)
+    done = [o for o in outcomes if o is not None] if drain else []
     errors = [o.error for o in done if o.error]
     sent_tokens = sum(len(x) for x in prompts)
     external = _total(d1, EXTERNAL[0], **EXTERNAL[1]) - _total(d0, EXTERNAL[0], **EXTERNAL[1])
-    return {"connector": connector, "requests": len(prompts), "answered": len(done) - len(errors),
-            "errors": len(errors), "first_errors": errors[:3],
+    return {"connector": connector, "requests": len(prompts), "drained": drain,
+            "answered": len(done) - len(errors),
+            "errors": len(errors), "first_errors": errors[:3], "answered_before_d_let_go": early,
             "p_step_ms_idle": idle, "p_step_ms_holding": held, "leases_held_max": held_max,
             "prompt_tokens_sent": sent_tokens, "prompt_tokens_over_nixl": external,
             "kv_over_nixl_pct": 100 * external / sent_tokens if sent_tokens else 0.0,
@@ -173,9 +194,16 @@ def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
     for r in rows:
         def ms(v: float | None) -> str:
             return f"{v:.2f} ms" if v is not None else "-"
+        held = f"{r['leases_held_max']:.0f}" if r["connector"] != "stock" else "-"  # (the fork's gauge)
+        answered, kv = (f"{r['answered']}", f"{r['kv_over_nixl_pct']:.1f}%") if r["drained"] else ("-", "-")
         print(f"{r['connector']:<9} {ms(r['p_step_ms_idle']):>15} {ms(r['p_step_ms_holding']):>13} "
-              f"{r['leases_held_max']:>10.0f} {r['answered']:>8} {r['kv_over_nixl_pct']:>11.1f}% "
-              f"{r['vllm_expired']:>14.0f} {r['renewals']:>8.0f}")
+              f"{held:>10} {answered:>8} {kv:>12} {r['vllm_expired']:>14.0f} {r['renewals']:>8.0f}")
+        if not r["drained"]:
+            print(f"  {r['connector']}: the queue was not waited for (--drain-stock): D waits "
+                  "push_registration_timeout for each request whose lease expired")
+        if r["answered_before_d_let_go"]:
+            print(f"  {r['connector']}: {r['answered_before_d_let_go']} requests ended before D was let go "
+                  "(its busy requests ran out: lower --hold-s)")
         if r["errors"]:
             print(f"  {r['connector']}: {r['errors']} requests failed, e.g. {r['first_errors']}")
     return {"lease_s": args.lease_s, "hold_s": args.hold_s, "max_tokens": args.max_tokens,
