@@ -41,7 +41,7 @@ from harness.poll import wait_until
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's own count of released leases
 ITL = "vllm:inter_token_latency_seconds"
-BUSY_QUEUED = 3  # more local requests queued on D behind its running one, before the burst
+BUSY_QUEUED = 8  # more local requests queued on D behind its running one, before the burst (about 40 s each)
 PROMPT_HIST = "vllm:request_prompt_tokens"  # vLLM's buckets 1, 2, 5, 10, 20, 50, ... tokens
 # Three blocks each (a thousand fit P's demo cache: 64 MiB, 1 KiB a token), longer than P's own
 # stepping requests (16 tokens).
@@ -122,7 +122,7 @@ def one(connector: str, args: argparse.Namespace, bench: BenchRun) -> dict[str, 
             p0, d0 = _samples(p), _samples(d)
             outcomes: list[drive.Outcome | None] = [None] * len(prompts)
             with contextlib.ExitStack() as busy:  # D's one slot taken, local requests queued first
-                busy.enter_context(drive.Busy(d.url))  # (each runs about 40 s here: more than enough)
+                busy.enter_context(drive.Busy(d.url))  # (each runs up to about 40 s here)
                 for seed in range(BUSY_QUEUED):
                     busy.enter_context(drive.Busy(d.url, seed=6 + seed, wait=False))
                 pool = ThreadPoolExecutor(len(prompts))
@@ -137,7 +137,10 @@ def one(connector: str, args: argparse.Namespace, bench: BenchRun) -> dict[str, 
                 t = time.monotonic()
 
                 def prefilled() -> float:
-                    return (_prefilled(p) or prefilled0) - prefilled0
+                    done = (_prefilled(p) or prefilled0) - prefilled0
+                    with contextlib.suppress(OSError):  # (the fork's gauge says it as soon)
+                        done = max(done, _total(_samples(p), KV_LEASES_HELD.name))
+                    return done
 
                 wait_until(lambda: prefilled() >= len(prompts), f"P to prefill all {len(prompts)} requests",
                            900, 2.0, last=lambda: f"{prefilled():.0f} prefilled")
