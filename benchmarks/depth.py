@@ -43,9 +43,9 @@ EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's own count of released 
 ITL = "vllm:inter_token_latency_seconds"
 BUSY_QUEUED = 8  # more local requests queued on D behind its running one, before the burst (about 40 s each)
 PROMPT_HIST = "vllm:request_prompt_tokens"  # vLLM's buckets 1, 2, 5, 10, 20, 50, ... tokens
-# Three blocks each (a thousand fit P's demo cache: 64 MiB, 1 KiB a token), longer than P's own
-# stepping requests (16 tokens).
-PROMPT_TOKENS = 48
+# With its one generated token, three blocks each: a thousand fit P's demo cache (65,536 tokens, 4,096
+# blocks) beside its own stepping requests (16 tokens, shorter: told apart in the prompt-length histogram).
+PROMPT_TOKENS = 40
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
