@@ -43,8 +43,10 @@ EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's own count of released 
 ITL = "vllm:inter_token_latency_seconds"
 BUSY_QUEUED = 8  # more local requests queued on D behind its running one, before the burst (about 40 s each)
 PROMPT_HIST = "vllm:request_prompt_tokens"  # vLLM's buckets 1, 2, 5, 10, 20, 50, ... tokens
-# With its one generated token, three blocks each: a thousand fit P's demo cache (65,536 tokens, 4,096
-# blocks) beside its own stepping requests (16 tokens, shorter: told apart in the prompt-length histogram).
+# P's KV cache: vLLM's CPU backend puts 128 tokens in a block, a block per request here, so the demo's
+# 64 MiB (512 blocks) holds about 500; this holds 1,536 beside P's own stepping requests.
+P_CACHE = ("--kv-cache-memory-bytes", "192M")
+# Longer than P's own stepping requests (16 tokens): told apart in the prompt-length histogram.
 PROMPT_TOKENS = 40
 
 
@@ -95,7 +97,7 @@ def options(connector: str, lease_s: float) -> dict[str, Any]:
     lease = {"kv_connector_extra_config": {"kv_lease_duration": lease_s}}
     return {"connector": connector,
             "kv_overrides": STOCK_OVERRIDES if connector == "stock" else None,
-            "prefill": EngineOptions(kv=lease),
+            "prefill": EngineOptions(kv=lease, args=P_CACHE),
             "decode": EngineOptions(kv={**lease, "kv_load_failure_policy": "recompute"},
                                     args=("--max-num-seqs", "1"), max_model_len=4096)}
 
