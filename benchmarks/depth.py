@@ -2,8 +2,8 @@
 
 The deployment where leases matter most: a decoder that falls behind. Per connector, a
 P/D pair of real `vllm serve` behind the project's router (D one sequence at a time,
-`--max-num-seqs 1`, kept busy by a long local request; P kept stepping by requests of
-its own, as a prefill in production always has work). `--requests` requests go through
+`--max-num-seqs 1`, kept busy by long local requests queued ahead of the burst; P kept
+stepping by requests of its own, as a prefill in production always has work). `--requests` requests go through
 the router at once: P prefills each and holds its KV under a lease, D queues them all.
 D stays busy for `--hold-s` after P holds them all (longer than a lease, so only D's
 heartbeats keep the leases), then is let go and serves the queue.
@@ -16,8 +16,9 @@ Reported per connector:
   released leases and the fork's), renewals;
 - the requests: answered, and how many prompt tokens D loaded over NIXL
   (`vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`) against the
-  prompt tokens sent: the fork must load every request's KV; stock's leases expire
-  under the queue and its requests are recomputed.
+  prompt tokens sent: the fork must load every request's KV. Stock's leases expire under
+  the queue, and each of its requests then waits `push_registration_timeout` (480 s) on D
+  before it is recomputed: its queue is not waited for unless `--drain-stock`.
 
 Opt-in (`make scale`), not in CI: a few minutes per connector. Figures, not checks.
 """
