@@ -477,8 +477,6 @@ def test_the_router_hands_each_kind_to_its_owner_and_a_fault_costs_one_notificat
                     ("fault", "notification"), ("pass", None)]
 
 
-
-
 # ------------------------------------------------- a prefill silent for long, come back
 def test_a_receive_started_after_its_prefill_went_silent_gets_its_own_chance():
     """D dropped P long ago and heard nothing since (P restarting for longer than D's

@@ -295,7 +295,7 @@ class ReceiveLedger:
         started before `started_before` (perf_counter)."""
         with self._lock:
             return [r for r in self._by_engine.get(engine_id, ())
-                    if self._receives[r].state in _WAITING and self._receives[r].started_at < started_before]
+                    if (rec := self._receives[r]).state in _WAITING and rec.started_at < started_before]
 
     def engines_waited_on(self) -> set[str]:
         """Prefills that hold a PUSH_REG of a receive still waiting."""
