@@ -35,12 +35,12 @@ from benchmarks.common import BenchRun
 from benchmarks.overhead import STOCK_OVERRIDES
 from connector.glue import settings
 from connector.vocabulary import KV_LEASE_EXPIRIES, KV_LEASE_RENEWALS, KV_LEASES_HELD, PUSHES
+from connector.vocabulary import VLLM_EXTERNAL_PROMPT_TOKENS as EXTERNAL
+from connector.vocabulary import VLLM_KV_EXPIRED_TOTAL as EXPIRED
 from demo import drive, report
 from demo.stack import EngineOptions, Stack
 from harness.poll import wait_until
 
-EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
-EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's own count of released leases
 ITL = "vllm:inter_token_latency_seconds"
 BUSY_QUEUED = 8  # more local requests queued on D behind its running one, before the burst (about 40 s each)
 PROMPT_HIST = "vllm:request_prompt_tokens"  # vLLM's buckets 1, 2, 5, 10, 20, 50, ... tokens

@@ -20,11 +20,10 @@ import time
 from typing import Any
 
 from benchmarks.common import BenchRun
+from connector.vocabulary import VLLM_EXTERNAL_PROMPT_TOKENS as EXTERNAL
+from connector.vocabulary import VLLM_KV_EXPIRED_TOTAL as EXPIRED
 from demo import drive, report
 from demo.stack import EngineOptions, Stack
-
-EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
-EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

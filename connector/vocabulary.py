@@ -898,6 +898,9 @@ def series_bound(metrics: tuple[MetricSpec, ...] = ALL_METRICS) -> int:
     return total
 
 
+# vLLM's count of the leases it released (its reaper; the fork's by fate is KV_LEASE_EXPIRIES).
+VLLM_KV_EXPIRED = MetricSpec("vllm:nixl_num_kv_expired_reqs", MetricKind.COUNTER, (),
+                             "Requests whose KV lease expired.")
 # Stock vLLM NIXL metrics we keep emitting unchanged (dashboards may query them).
 STOCK_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("vllm:nixl_xfer_time_seconds", MetricKind.HISTOGRAM, (), "NIXL transfer duration.", "s"),
@@ -906,7 +909,7 @@ STOCK_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("vllm:nixl_num_descriptors", MetricKind.HISTOGRAM, (), "Descriptors per NIXL transfer."),
     MetricSpec("vllm:nixl_num_failed_transfers", MetricKind.COUNTER, (), "Failed NIXL transfers."),
     MetricSpec("vllm:nixl_num_failed_notifications", MetricKind.COUNTER, (), "Failed NIXL notifications."),
-    MetricSpec("vllm:nixl_num_kv_expired_reqs", MetricKind.COUNTER, (), "Requests whose KV lease expired."),
+    VLLM_KV_EXPIRED,
     MetricSpec(
         "vllm:nixl_num_notifications_after_expiry",
         MetricKind.COUNTER,
@@ -926,6 +929,12 @@ VLLM_TTFT = MetricSpec(
     "s",
 )
 VLLM_REQUEST_METRICS: tuple[MetricSpec, ...] = (VLLM_TTFT,)
+# Samples of vLLM's own that tests, benchmarks and the demo read off /metrics, as scraped:
+# the leases vLLM released, and the prompt tokens whose KV came through the connector
+# (vLLM's prompt-token counter by source; the proof that KV went over NIXL).
+VLLM_KV_EXPIRED_TOTAL = VLLM_KV_EXPIRED.name + "_total"
+VLLM_EXTERNAL_PROMPT_TOKENS: tuple[str, dict[str, str]] = (
+    "vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 
 
 # ------------------------------------------------------- worker -> frontend stats

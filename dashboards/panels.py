@@ -493,7 +493,7 @@ def _ttft() -> list[Cell]:
 
 def _leases() -> list[Cell]:
     renewals, expiries = total(V.KV_LEASE_RENEWALS), total(V.KV_LEASE_EXPIRIES)
-    expired_stock = next(s for s in V.STOCK_METRICS if s.name == "vllm:nixl_num_kv_expired_reqs")
+    expired_stock = V.VLLM_KV_EXPIRED
     held, oldest = gauge(V.KV_LEASES_HELD), gauge(V.KV_LEASE_OLDEST_AGE)
     waiting, oldest_wait = gauge(V.REMOTE_PREFILLS_WAITING), gauge(V.REMOTE_PREFILL_OLDEST_WAIT)
     per_worker = "One count per prefill worker and heartbeat id."

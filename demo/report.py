@@ -43,6 +43,7 @@ from connector.vocabulary import (
     TTFT_ROUTER_SHARE_MIN_S,
     TTFT_ROUTER_SHARE_SHARE,
     VLLM_E2E_ATTR,
+    VLLM_EXTERNAL_PROMPT_TOKENS,
     VLLM_REQUEST_SPAN,
     VLLM_TTFT_ATTR,
     Attr,
@@ -140,7 +141,7 @@ def descriptor_lines(data: list[Sample]) -> list[str]:
 
 def push_lines(p: list[Sample], d: list[Sample], outcomes: list[Outcome]) -> list[str]:
     prompt_tokens = sum(len(o.prompt) for o in outcomes if not o.error)
-    from_kv = total(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    from_kv = total(d, VLLM_EXTERNAL_PROMPT_TOKENS[0], **VLLM_EXTERNAL_PROMPT_TOKENS[1])
     lines = [f"D prompt tokens that arrived as KV over NIXL: {from_kv:.0f} of {prompt_tokens} sent"]
     if any(n.startswith(PUSHES.name) for n, _, _ in p):
         lines.append(f"P pushes: {total(p, PUSHES.name + '_total', outcome='completed'):.0f} completed, "

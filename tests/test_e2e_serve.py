@@ -57,6 +57,8 @@ from connector.vocabulary import (
     SpanEvent,
     phase_span_name,
 )
+from connector.vocabulary import VLLM_EXTERNAL_PROMPT_TOKENS as EXTERNAL
+from connector.vocabulary import VLLM_KV_EXPIRED_TOTAL as EXPIRED
 from demo import drive, report
 from demo.engines import (
     NIXL_WORKER_LOGGER,
@@ -75,9 +77,7 @@ MAX_TOKENS = 6
 LEASE_S = 9
 SPAN_WAIT_S = 60.0
 HOSTS = unavailable_reason() is None
-EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's own count of released leases
 FINISHED = "vllm:request_success_total"  # vLLM's own count of finished requests
-EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 # What a fixture learns beside the value it returns (read by the tests that use that fixture).
 FACTS: dict[str, Any] = {}
 

@@ -31,6 +31,8 @@ from connector.vocabulary import (
     PUSH_REG_REJECTED,
     RECEIVE_FAILURES,
 )
+from connector.vocabulary import VLLM_EXTERNAL_PROMPT_TOKENS as EXTERNAL
+from connector.vocabulary import VLLM_KV_EXPIRED_TOTAL as EXPIRED
 from demo import drive, report
 from demo.network import unavailable_reason
 from demo.stack import EngineOptions, Stack
@@ -48,8 +50,6 @@ LEASE_S = 9
 TIMEOUT_MS, BUDGET_S = 2000, 20
 # D serves one sequence at a time: these local requests keep it busy about 30 s.
 BUSY_REQUESTS, BUSY_TOKENS, BUSY_S = 3, 3000, 40
-EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
-EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from connector.vocabulary import (
     SPAN_HANDSHAKE,
     SPAN_PUSH_REGISTER,
     SPAN_PUSH_WRITE,
+    VLLM_KV_EXPIRED_TOTAL,
     Attr,
     PushRegRejection,
     ReceiveFailure,
@@ -451,7 +452,7 @@ def test_lease_expires_without_a_registration(rig: Rig) -> None:
     rig.results("P", lambda r: p_id in r["finished_sending"])
     stats = rig.collect("P", lambda s: count(s, "num_kv_expired_reqs") >= 1)
     fe = observed(h, "P", stats)
-    assert fe.sample("vllm:nixl_num_kv_expired_reqs_total") == 1
+    assert fe.sample(VLLM_KV_EXPIRED_TOTAL) == 1
     for outcome in ("started", "completed", "failed"):  # no push ever started
         assert fe.sample("vllm:nixl_pushes_total", {"outcome": outcome}) == 0
     rig.serves("P", "E")
@@ -498,7 +499,7 @@ def test_a_claimed_lease_outlives_its_deadline_until_its_write_lands(rig: Rig) -
     assert rig.same_bytes("P", p_blocks, "D", d_blocks)
     stats = rig.collect("P", lambda s: count(s, StatKey.PUSHES_COMPLETED) >= 1)
     fe = observed(h, "P", stats)
-    assert fe.sample("vllm:nixl_num_kv_expired_reqs_total") == 0
+    assert fe.sample(VLLM_KV_EXPIRED_TOTAL) == 0
     assert fe.sample("vllm:nixl_pushes_total", {"outcome": "failed"}) == 0
     assert fe.sample("vllm:nixl_handshake_retries_total", {"direction": "p_to_d"}) >= 1
     rig.serves("P", "E")

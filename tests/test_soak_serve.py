@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from connector.vocabulary import VLLM_KV_EXPIRED_TOTAL
 from demo import drive, report
 from demo.stack import Stack
 
@@ -54,7 +55,7 @@ def test_every_request_ends_in_time_under_a_cpu_hog(tmp_path):
         p = report.samples(stack.prefill.metrics())
         d = report.samples(stack.decode.metrics())
         counted = {
-            "P expired leases": report.total(p, "vllm:nixl_num_kv_expired_reqs_total"),
+            "P expired leases": report.total(p, VLLM_KV_EXPIRED_TOTAL),
             "P PUSH_REG after lease": report.total(p, "vllm:nixl_push_reg_rejected_total",
                                                     reason="after_lease_expired"),
             "P pushes failed": report.total(p, "vllm:nixl_pushes_total", outcome="failed"),

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=250, help="requests per seed")
     parser.add_argument("--out", default=str(REPO / ".cache" / "chaos"), help="summary and logs")
     parser.add_argument("--verify-ratio", type=float, default=1.0,
-                        help="the engines' kv_verify_ratio (0: the byte checker alone)")
+                        help="the engines' kv_verify_ratio (0: the byte checker alone); below 1 no "
+                             "landed KV is corrupted")
     parser.add_argument("--mutant", default=None, help="a deliberate defect (harness.mutants)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
