@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 from types import ModuleType
 
 from benchmarks.common import BenchRun
@@ -49,12 +50,23 @@ def parser(modules: dict[str, ModuleType]) -> argparse.ArgumentParser:
     return ap
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     modules = _modules()
     args = parser(modules).parse_args(argv)
     module = modules[args.benchmark]
+    # SIGTERM unwinds like Ctrl-C, so each benchmark's `finally` stops the engines it
+    # started (by default the process would die with them still running).
+    signal.signal(signal.SIGTERM, _interrupt)
     bench = BenchRun(args.benchmark, args.out)
-    result = module.run(args, bench)
+    try:
+        result = module.run(args, bench)
+    except KeyboardInterrupt:
+        bench.say(f"{args.benchmark} interrupted; the processes it started are stopped")
+        return 130
     bench.write(result, getattr(module, "chart", None))
     bench.say(f"{args.benchmark} done")
     return 0

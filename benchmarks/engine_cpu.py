@@ -30,8 +30,6 @@ import re
 import statistics
 import subprocess
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -111,23 +109,11 @@ def _prompts(seed: int, n: int) -> list[list[int]]:
 
 def _send_all(url: str, prompts: list[list[int]], tag: str,
               args: argparse.Namespace) -> tuple[int, list[float]]:
-    """Every prompt once through the router at `--concurrency`: (failed, latencies of those answered)."""
-
-    def one(i: int) -> float | None:
-        headers = {"Content-Type": "application/json", "X-Request-Id": f"{tag}-{i}"}
-        req = urllib.request.Request(url + "/v1/completions", headers=headers,
-                                     data=json.dumps(drive.body(prompts[i], args.max_tokens)).encode())
-        t = time.perf_counter()
-        try:
-            with urllib.request.urlopen(req, timeout=180) as resp:
-                ok = bool(json.loads(resp.read()).get("choices"))
-        except Exception:  # counted as failed, not raised
-            return None
-        return time.perf_counter() - t if ok else None
-
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        results = list(pool.map(one, range(len(prompts))))
-    latencies = [r for r in results if r is not None]
+    """Every prompt once through the router at `--concurrency`, untraced (the router
+    samples): (failed, latencies of those answered)."""
+    results = drive.concurrently(url, prompts, prefix=tag, max_tokens=args.max_tokens,
+                                 concurrency=args.concurrency, traced=False)
+    latencies = [took for out, took in results if not out.error]
     return len(results) - len(latencies), latencies
 
 

@@ -32,7 +32,6 @@ import collections
 import contextlib
 import functools
 import importlib.util
-import json
 import linecache
 import os
 import re
@@ -42,7 +41,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -265,15 +263,10 @@ class Stream:
                     self.failed += 1
 
     def send(self, prompt: list[int], request_id: str) -> bool:
-        """One completion through the router, without a `traceparent` (the router samples)."""
-        req = urllib.request.Request(self.url + "/v1/completions",
-                                     data=json.dumps(drive.body(prompt, self.max_tokens)).encode(),
-                                     headers={"Content-Type": "application/json", "X-Request-Id": request_id})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                return bool(json.loads(resp.read()).get("choices"))  # (a random model may stop early)
-        except Exception:  # counted, not raised: a failed request shows as `failed`
-            return False
+        """One completion through the router, without a `traceparent` (the router samples);
+        answered or not (a failure is counted, not raised)."""
+        return not drive.disaggregated(self.url, prompt, request_id, self.max_tokens, timeout_s=120,
+                                       traced=False).error
 
     def stop(self) -> None:
         self._stop.set()

@@ -76,12 +76,16 @@ def tokens_of(answer: dict[str, Any]) -> list[int]:
 
 
 def disaggregated(router_url: str, prompt: list[int], request_id: str, max_tokens: int,
-                  timeout_s: float = 180) -> Outcome:
-    traceparent, trace_id = new_traceparent()
+                  timeout_s: float = 180, *, traced: bool = True) -> Outcome:
+    """One completion through the router. `traced`: with a `traceparent` of our own, so
+    the outcome names its trace; else none, and the router's sampler decides (what a
+    benchmark of production cost sends)."""
+    traceparent, trace_id = new_traceparent() if traced else ("", "")
     out = Outcome(request_id, prompt, trace_id)
+    headers = {"X-Request-Id": request_id, **({"traceparent": traceparent} if traced else {})}
     try:
-        answer = _post(router_url + "/v1/completions", body(prompt, max_tokens),
-                       {"X-Request-Id": request_id, "traceparent": traceparent}, timeout_s=timeout_s)
+        answer = _post(router_url + "/v1/completions", body(prompt, max_tokens), headers,
+                       timeout_s=timeout_s)
         out.tokens = tokens_of(answer)
     except Exception as exc:  # reported per request, not raised
         detail = exc.read().decode(errors="replace")[:300] if hasattr(exc, "read") else ""
@@ -302,15 +306,24 @@ class StockStylePair:
 
 
 def concurrently(router_url: str, prompts: list[list[int]], *, prefix: str, max_tokens: int,
-                 timeout_s: float = 180) -> list[tuple[Outcome, float]]:
-    """All prompts through the router at once; each outcome with its latency in seconds."""
+                 timeout_s: float = 180, concurrency: int | None = None,
+                 traced: bool = True) -> list[tuple[Outcome, float]]:
+    """Every prompt once through the router, `concurrency` at a time (all at once by
+    default); each outcome, in prompt order, with its latency in seconds."""
     def one(i: int) -> tuple[Outcome, float]:
-        start = time.monotonic()
-        out = disaggregated(router_url, prompts[i], f"{prefix}-{i:03d}", max_tokens, timeout_s)
-        return out, time.monotonic() - start
+        start = time.perf_counter()
+        out = disaggregated(router_url, prompts[i], f"{prefix}-{i:03d}", max_tokens, timeout_s,
+                            traced=traced)
+        return out, time.perf_counter() - start
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, range(len(prompts))))
+    pool = ThreadPoolExecutor(concurrency or len(prompts))
+    try:
+        results = list(pool.map(one, range(len(prompts))))
+    except BaseException:  # (interrupted: what has not started never will, nor is waited for)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return results
 
 
 def prefill_leg(prefill_url: str, prompt: list[int], request_id: str) -> dict[str, Any]:

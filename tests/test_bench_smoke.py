@@ -89,3 +89,61 @@ def test_engine_cpu_names_threads_by_role_and_compares_each_round_with_its_stock
     assert main_row["rounds"] == 3
     wall = by_group["wall time per request"]
     assert wall["diff_ms"] == 0.0 and wall["diff_pct"] == [0.0, 10.0, 0.0]
+
+
+SIGTERMED = '''
+import subprocess, sys, threading, types
+import benchmarks.__main__ as bm
+
+fake = types.ModuleType("fake", "A benchmark stopped while it waits.")
+fake.add_arguments = lambda parser: None
+
+def run(args, bench):
+    child = subprocess.Popen(["sleep", "600"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # (stands for an engine it started)
+    try:
+        (bench.dir / "child.pid").write_text(str(child.pid))
+        threading.Event().wait()
+    finally:
+        child.kill()
+        child.wait()
+        (bench.dir / "child.stopped").write_text("")
+
+fake.run = run
+bm._modules = lambda: {"fake": fake}
+sys.exit(bm.main(["fake", "--out", sys.argv[1]]))
+'''
+
+
+def test_sigterm_unwinds_a_benchmark_so_it_stops_what_it_started(tmp_path):
+    """SIGTERM (what `kill` and CI send) runs the benchmark's `finally`, which stops its
+    engines; Python's default would end the process and leave them running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from harness.poll import wait_until
+
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERMED, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    child = None
+    try:
+        pid_file = tmp_path / "child.pid"
+        wait_until(lambda: pid_file.exists() and pid_file.read_text(), "the benchmark's child",
+                   timeout_s=120)
+        child = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out
+        assert "fake interrupted" in out
+        assert (tmp_path / "child.stopped").exists()
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child is not None:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
