@@ -61,6 +61,9 @@ class CoreState:
     finished_recving: dict[str, float] = field(default_factory=dict)
     finished_sending: dict[str, float] = field(default_factory=dict)
     checks: list[Any] = field(default_factory=list)
+    # What each rank and the scheduler reported of each receive, by step (a wrong byte's lead).
+    kv_events: dict[str, list[str]] = field(default_factory=dict)
+    receivers: dict[int, list[str]] = field(default_factory=dict)  # block -> receives into it
     stats: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     steps: int = 0
@@ -226,6 +229,12 @@ class EngineCore:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         so = self.scheduler.schedule()
+        recv = getattr(so.kv_connector_metadata, "reqs_to_recv", None) or {}
+        for r, m in recv.items():
+            blocks = list(m.local_block_ids[0]) if m.local_block_ids else []
+            self.state.kv_events.setdefault(r, []).append(f"{self.state.steps}: receives into {blocks}")
+            for b in blocks:
+                self.state.receivers.setdefault(b, []).append(r)
         for handle in self.ranks:  # every rank at once, as the executor broadcasts
             handle._conn.send(("model_step", (so,)))
         outs = [handle._receive(120.0) for handle in self.ranks]
@@ -246,6 +255,14 @@ class EngineCore:
                     failed_recving=out["failed_recving"], invalid_block_ids=out["invalid"],
                     kv_connector_stats=out["stats"])))
             self.state.checks.extend(out["checks"])
+            step = self.state.steps
+            for r in out["finished_recving"]:
+                failed = " failed" if r in out["failed_recving"] else ""
+                self.state.kv_events.setdefault(r, []).append(f"{step}: rank {rank} finished{failed}")
+            if out["invalid"]:
+                for r in out["failed_recving"]:
+                    self.state.kv_events.setdefault(r, []).append(
+                        f"{step}: rank {rank} invalid blocks {sorted(out['invalid'])}")
             # (each rank counts its own work: rank 0's counts are per request; a copy: the
             # aggregator extends rank 0's in place)
             if rank == 0:
@@ -259,6 +276,9 @@ class EngineCore:
             self.state.failed_recving |= kv.failed_recving or set()
             for r in kv.finished_recving or ():
                 self.state.finished_recving[r] = now
+                failed = " failed" if r in (kv.failed_recving or ()) else ""
+                self.state.kv_events.setdefault(r, []).append(
+                    f"{self.state.steps}: scheduler finished{failed}")
             for r in kv.finished_sending or ():
                 self.state.finished_sending[r] = now
         engine_outputs = self.scheduler.update_from_output(so, merged)

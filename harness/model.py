@@ -17,6 +17,7 @@ position it did not compute itself and, at the end, every position.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ class _Req:
     values: np.ndarray  # one value per position (prompt + outputs)
     pushed_upto: int = 0  # positions whose KV came from the prefill (not computed here)
     outputs: int = 0
+    req_id: str = ""
 
 
 @dataclass
@@ -49,6 +51,13 @@ class Check:
     wrong_positions: list[int] = field(default_factory=list)  # the first few
     wrong: int = 0  # how many positions were wrong
     unwritten: int = 0  # of those, how many still hold what no one wrote (the initial fill)
+    # For a wrong check: who last wrote each wrong block (request ids), and what this rank's
+    # model saw of the request and of them (a failing seed's first lead).
+    reused: int = 0  # positions in blocks a receive of the same step took over (not checked)
+    reused_changed: int = 0  # of those, how many already held something else
+    writers: list[str] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # the wrong blocks
+    detail: str = ""
 
     @property
     def ok(self) -> bool:
@@ -81,18 +90,35 @@ class ModelRunner:
         self.offsets = offsets[layer_offset:, self.head0:self.head0 + self.local_heads].astype(np.float32)
         self.reqs: dict[str, _Req] = {}
         self.checks: list[Check] = []
+        # What explains a wrong block: each block's last write (request, step, positions) and
+        # each request's block tables as this rank's model saw them, step by step.
+        self.steps = 0
+        self.last_write: dict[int, tuple[str, int, int, int]] = {}
+        self.seen: dict[str, list[str]] = {}
+        self.values_of: dict[str, np.ndarray] = {}  # every request's pattern, by id (whose KV is this?)
 
     # ------------------------------------------------------------------ steps
     def before(self, so: Any) -> None:
         """Requests that finished in the last step: check them before their blocks
-        are written again, then forget them."""
+        are written again, then forget them.
+
+        Except the blocks this very step hands to KV receives: the scheduler freed them
+        when those requests finished, and the prefill may write them as soon as any D
+        rank has sent its PUSH_REG. With D TP > 1 that can be another rank's process,
+        before this one runs: such a block is the new receive's already, and what it
+        holds is not counted against the finished request (`Check.reused`)."""
+        meta = getattr(so, "kv_connector_metadata", None)
+        receiving = {b for m in (getattr(meta, "reqs_to_recv", None) or {}).values()
+                     for b in (m.local_block_ids[0] if m.local_block_ids else ())}
         for req_id in getattr(so, "finished_req_ids", ()) or ():
             req = self.reqs.pop(req_id, None)
+            self._saw(req_id, "finished")
             if req is not None and self.role == "kv_consumer":
-                self._check(req_id, req, "finished", req.computed)
+                self._check(req_id, req, "finished", req.computed, receiving)
 
     def run(self, so: Any) -> dict[str, list[int]]:
         """The step's 'forward': write each scheduled token's KV, sample tokens."""
+        self.steps += 1
         for new in so.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids or ())
             digest = prompt_digest(prompt) or ""
@@ -100,8 +126,14 @@ class ModelRunner:
             max_tokens = int(getattr(params, "max_tokens", 1) or 1)
             req = _Req(prompt, digest, max_tokens, list(new.block_ids[0]), new.num_computed_tokens,
                        _values(digest, len(prompt) + max_tokens + 1))
+            req.req_id = new.req_id
+            self.values_of[new.req_id] = req.values
             self.reqs[new.req_id] = req
+            self._saw(new.req_id, f"new {req.blocks} computed {req.computed}")
             if self.role == "kv_consumer" and req.computed > 0:
+                for b, block in enumerate(req.blocks[:-(-req.computed // self.block_size)]):
+                    self.last_write[block] = (f"{new.req_id} (pushed)", self.steps, b * self.block_size,
+                                              min(req.computed, (b + 1) * self.block_size))
                 req.pushed_upto = req.computed
                 self._check(new.req_id, req, "landed", req.computed)
         cached = so.scheduled_cached_reqs
@@ -114,8 +146,13 @@ class ModelRunner:
             if req_id in resumed:  # preempted and rescheduled: recomputed from here
                 req.blocks = list(new_blocks[0]) if new_blocks else []
                 req.pushed_upto = 0
+                self._saw(req_id, f"resumed {req.blocks}")
             elif new_blocks:
                 req.blocks.extend(new_blocks[0])
+                if new_blocks[0]:
+                    self._saw(req_id, f"+{list(new_blocks[0])}")
+            if cached.num_computed_tokens[i] != req.computed:
+                self._saw(req_id, f"computed {req.computed} -> {cached.num_computed_tokens[i]}")
             req.computed = cached.num_computed_tokens[i]
         sampled: dict[str, list[int]] = {}
         for req_id, n in so.num_scheduled_tokens.items():
@@ -143,16 +180,19 @@ class ModelRunner:
                 break
             lo, hi = max(start, pos0), min(end, pos0 + self.block_size)
             block = req.blocks[b]
+            self.last_write[block] = (req.req_id, self.steps, lo, hi)
             chunk = values[:, :, lo - start:hi - start]
             for li, name in enumerate(self.layers):
                 self.caches[name][block, :, lo - pos0:hi - pos0].copy_(
                     _torch_of(self.caches[name], chunk[li]))
 
-    def _check(self, req_id: str, req: _Req, when: str, upto: int) -> None:
+    def _check(self, req_id: str, req: _Req, when: str, upto: int,
+               reused: Collection[int] = ()) -> None:
         if upto <= 0 or not req.blocks:
             return
         wrong: set[int] = set()
         unwritten: set[int] = set()
+        changed_reused: set[int] = set()  # positions in `reused` blocks that changed
         expected = self._slot_values(req, 0, upto)
         for b in range((upto + self.block_size - 1) // self.block_size):
             if b >= len(req.blocks):
@@ -162,11 +202,62 @@ class ModelRunner:
             for li, name in enumerate(self.layers):
                 have = self.caches[name][req.blocks[b], :, :hi - lo].numpy()
                 bad = np.nonzero(~(have == expected[li, :, lo:hi]).all(axis=(0, 2)))[0]
+                if req.blocks[b] in reused:
+                    changed_reused.update(int(lo + x) for x in bad)
+                    continue
                 wrong.update(int(lo + x) for x in bad)
                 blank = np.nonzero((have == self.initial_fill).all(axis=(0, 2)))[0]
                 unwritten.update(int(lo + x) for x in blank)
-        self.checks.append(Check(req_id, when, upto, sorted(wrong)[:16], len(wrong),
-                                 len(wrong & unwritten)))
+        reused_positions = sum(min(upto, (b + 1) * self.block_size) - b * self.block_size
+                               for b, block in enumerate(req.blocks[:-(-upto // self.block_size)])
+                               if block in reused)
+        check = Check(req_id, when, upto - reused_positions, sorted(wrong)[:16], len(wrong),
+                      len(wrong & unwritten), reused=reused_positions, reused_changed=len(changed_reused))
+        if wrong:
+            self._explain(check, req_id, req, sorted(wrong))
+        self.checks.append(check)
+
+    def _saw(self, req_id: str, what: str) -> None:
+        self.seen.setdefault(req_id, []).append(f"{self.steps}: {what}")
+
+    def _explain(self, check: Check, req_id: str, req: _Req, wrong: list[int]) -> None:
+        lines = [f"rank head {self.head0}, step {self.steps}; {req_id} as this model saw it: "
+                 + "; ".join(self.seen.get(req_id, [])[-8:])]
+        for b in sorted({p // self.block_size for p in wrong})[:3]:
+            block = req.blocks[b] if b < len(req.blocks) else None
+            if block is not None:
+                check.blocks.append(block)
+            last = self.last_write.get(block) if block is not None else None
+            if last is None:
+                lines.append(f"  block #{b} ({block}): no write recorded")
+                continue
+            writer, step, lo, hi = last
+            writer = writer.removesuffix(" (pushed)")
+            check.writers.append(writer)
+            lines.append(f"  block #{b} ({block}): last written at step {step} by {writer}, positions "
+                         f"{lo}-{hi}; " + "; ".join(self.seen.get(writer, [])[-8:]))
+        lines.append("  whose KV the wrong positions hold: " + self._owners(req, wrong[:4]))
+        check.detail = "\n".join(lines)
+
+    def _owners(self, req: _Req, positions: list[int]) -> str:
+        """Which request's pattern, at which position, each of `positions` of `req` holds
+        (looked up by the value of its first layer, head and channel)."""
+        name = self.layers[0]
+        out = []
+        for p in positions:
+            block = req.blocks[p // self.block_size] if p // self.block_size < len(req.blocks) else None
+            if block is None:
+                out.append(f"{p}: no block")
+                continue
+            have = float(self.caches[name][block, 0, p % self.block_size, 0])
+            if have == self.initial_fill:
+                out.append(f"{p} (block {block}): never written")
+                continue
+            token = np.float32(have - self.offsets[0, 0, 0])
+            hits = [f"{rid}@{int(i)}" for rid, values in self.values_of.items()
+                    for i in np.nonzero(np.isclose(values, token, rtol=0, atol=1e-5))[0]]
+            out.append(f"{p} (block {block}): {', '.join(hits[:3]) or 'no known request'}")
+        return "; ".join(out)
 
     def take_checks(self) -> list[Check]:
         out, self.checks = self.checks, []

@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         for violation in result.violations[:5]:
             print(f"    {violation}", flush=True)
+        for lead in result.leads[:1]:
+            print("    the first wrong check's blocks: " + lead.replace("\n", "\n    "), flush=True)
         if not result.ok:
             print(f"    replay: {replay_command(seed, args.requests)}", flush=True)
     failed = [r.seed for r in results if not r.ok]

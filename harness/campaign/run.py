@@ -64,6 +64,9 @@ class SeedResult:
     faults_injected: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     checked_positions: int = 0
+    # For each wrong KV byte check: who last wrote the wrong blocks and what each rank and the
+    # scheduler reported of those requests (in the summary; the first is printed).
+    leads: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -73,7 +76,7 @@ class SeedResult:
         return {"seed": self.seed, "ok": self.ok, "plan": self.plan, "outcomes": dict(self.outcomes),
                 "violations": self.violations, "counters": self.counters,
                 "faults_injected": self.faults_injected, "seconds": round(self.seconds, 1),
-                "checked_positions": self.checked_positions}
+                "checked_positions": self.checked_positions, "leads": self.leads}
 
 
 class SeedRun:
@@ -326,10 +329,21 @@ def judge(run: SeedRun, result: SeedResult, bound_s: float, drained: bool) -> No
     d_cores = run.d_cores()
     checks = [c for d in d_cores for c in d.state.checks]
     result.checked_positions = sum(c.positions for c in checks)
+    # Finished requests' blocks a receive of the same step took over: not checked (the
+    # prefill may already be writing them); how often, and how often they had changed.
+    taken = [c for c in checks if c.reused]
+    result.counters["finished_blocks_taken_by_a_receive"] = {
+        "checks": len(taken), "positions": sum(c.reused for c in taken),
+        "changed": sum(c.reused_changed for c in taken)}
     for c in checks:
         if not c.ok:
             v.append(f"wrong KV bytes: {c.req_id} ({c.when}): {c.wrong} of {c.positions} positions "
                      f"({c.unwritten} never written), first {c.wrong_positions}")
+            events = {k: e for core in d_cores for k, e in core.state.kv_events.items()}
+            receivers = [r for core in d_cores for b in c.blocks for r in core.state.receivers.get(b, ())]
+            lead = [c.detail] + [f"  {r} receive: " + "; ".join(events.get(r, [])[-6:])
+                                 for r in dict.fromkeys([c.req_id, *c.writers, *receivers])]
+            result.leads.append("\n".join(lead))
     landed = {c.req_id for c in checks if c.when == "landed"}
     result.outcomes["not_sent"] = run.not_sent
     for s in run.sent:
