@@ -51,10 +51,10 @@ class Check:
     wrong_positions: list[int] = field(default_factory=list)  # the first few
     wrong: int = 0  # how many positions were wrong
     unwritten: int = 0  # of those, how many still hold what no one wrote (the initial fill)
-    # For a wrong check: who last wrote each wrong block (request ids), and what this rank's
-    # model saw of the request and of them (a failing seed's first lead).
     reused: int = 0  # positions in blocks a receive of the same step took over (not checked)
     reused_changed: int = 0  # of those, how many already held something else
+    # For a wrong check: who last wrote each wrong block (request ids), and what this rank's
+    # model saw of the request and of them (a failing seed's first lead).
     writers: list[str] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # the wrong blocks
     detail: str = ""
@@ -93,7 +93,7 @@ class ModelRunner:
         # What explains a wrong block: each block's last write (request, step, positions) and
         # each request's block tables as this rank's model saw them, step by step.
         self.steps = 0
-        self.last_write: dict[int, tuple[str, int, int, int]] = {}
+        self.last_write: dict[int, tuple[str, str, int, int, int]] = {}  # (request, how, step, lo, hi)
         self.seen: dict[str, list[str]] = {}
         self.values_of: dict[str, np.ndarray] = {}  # every request's pattern, by id (whose KV is this?)
 
@@ -132,7 +132,7 @@ class ModelRunner:
             self._saw(new.req_id, f"new {req.blocks} computed {req.computed}")
             if self.role == "kv_consumer" and req.computed > 0:
                 for b, block in enumerate(req.blocks[:-(-req.computed // self.block_size)]):
-                    self.last_write[block] = (f"{new.req_id} (pushed)", self.steps, b * self.block_size,
+                    self.last_write[block] = (new.req_id, "pushed", self.steps, b * self.block_size,
                                               min(req.computed, (b + 1) * self.block_size))
                 req.pushed_upto = req.computed
                 self._check(new.req_id, req, "landed", req.computed)
@@ -180,7 +180,7 @@ class ModelRunner:
                 break
             lo, hi = max(start, pos0), min(end, pos0 + self.block_size)
             block = req.blocks[b]
-            self.last_write[block] = (req.req_id, self.steps, lo, hi)
+            self.last_write[block] = (req.req_id, "computed", self.steps, lo, hi)
             chunk = values[:, :, lo - start:hi - start]
             for li, name in enumerate(self.layers):
                 self.caches[name][block, :, lo - pos0:hi - pos0].copy_(
@@ -193,24 +193,25 @@ class ModelRunner:
         wrong: set[int] = set()
         unwritten: set[int] = set()
         changed_reused: set[int] = set()  # positions in `reused` blocks that changed
+        reused_positions = 0
         expected = self._slot_values(req, 0, upto)
         for b in range((upto + self.block_size - 1) // self.block_size):
             if b >= len(req.blocks):
                 wrong.update(range(b * self.block_size, upto))
                 break
             lo, hi = b * self.block_size, min(upto, (b + 1) * self.block_size)
+            taken = req.blocks[b] in reused
+            if taken:
+                reused_positions += hi - lo
             for li, name in enumerate(self.layers):
                 have = self.caches[name][req.blocks[b], :, :hi - lo].numpy()
                 bad = np.nonzero(~(have == expected[li, :, lo:hi]).all(axis=(0, 2)))[0]
-                if req.blocks[b] in reused:
+                if taken:
                     changed_reused.update(int(lo + x) for x in bad)
                     continue
                 wrong.update(int(lo + x) for x in bad)
                 blank = np.nonzero((have == self.initial_fill).all(axis=(0, 2)))[0]
                 unwritten.update(int(lo + x) for x in blank)
-        reused_positions = sum(min(upto, (b + 1) * self.block_size) - b * self.block_size
-                               for b, block in enumerate(req.blocks[:-(-upto // self.block_size)])
-                               if block in reused)
         check = Check(req_id, when, upto - reused_positions, sorted(wrong)[:16], len(wrong),
                       len(wrong & unwritten), reused=reused_positions, reused_changed=len(changed_reused))
         if wrong:
@@ -231,11 +232,10 @@ class ModelRunner:
             if last is None:
                 lines.append(f"  block #{b} ({block}): no write recorded")
                 continue
-            writer, step, lo, hi = last
-            writer = writer.removesuffix(" (pushed)")
+            writer, how, step, lo, hi = last
             check.writers.append(writer)
-            lines.append(f"  block #{b} ({block}): last written at step {step} by {writer}, positions "
-                         f"{lo}-{hi}; " + "; ".join(self.seen.get(writer, [])[-8:]))
+            lines.append(f"  block #{b} ({block}): last written ({how}) at step {step} by {writer}, "
+                         f"positions {lo}-{hi}; " + "; ".join(self.seen.get(writer, [])[-8:]))
         lines.append("  whose KV the wrong positions hold: " + self._owners(req, wrong[:4]))
         check.detail = "\n".join(lines)
 

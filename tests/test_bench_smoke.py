@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks.__main__ import BENCHMARKS, main
+from harness.poll import wait_until
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
 
@@ -118,13 +124,6 @@ sys.exit(bm.main(["fake", "--out", sys.argv[1]]))
 def test_sigterm_unwinds_a_benchmark_so_it_stops_what_it_started(tmp_path):
     """SIGTERM (what `kill` and CI send) runs the benchmark's `finally`, which stops its
     engines; Python's default would end the process and leave them running."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from harness.poll import wait_until
-
     proc = subprocess.Popen([sys.executable, "-c", SIGTERMED, str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     child = None
@@ -145,5 +144,5 @@ def test_sigterm_unwinds_a_benchmark_so_it_stops_what_it_started(tmp_path):
             proc.kill()
             proc.wait()
         if child is not None:
-            with __import__("contextlib").suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)

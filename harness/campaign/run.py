@@ -335,15 +335,15 @@ def judge(run: SeedRun, result: SeedResult, bound_s: float, drained: bool) -> No
     result.counters["finished_blocks_taken_by_a_receive"] = {
         "checks": len(taken), "positions": sum(c.reused for c in taken),
         "changed": sum(c.reused_changed for c in taken)}
-    for c in checks:
-        if not c.ok:
-            v.append(f"wrong KV bytes: {c.req_id} ({c.when}): {c.wrong} of {c.positions} positions "
-                     f"({c.unwritten} never written), first {c.wrong_positions}")
-            events = {k: e for core in d_cores for k, e in core.state.kv_events.items()}
-            receivers = [r for core in d_cores for b in c.blocks for r in core.state.receivers.get(b, ())]
-            lead = [c.detail] + [f"  {r} receive: " + "; ".join(events.get(r, [])[-6:])
-                                 for r in dict.fromkeys([c.req_id, *c.writers, *receivers])]
-            result.leads.append("\n".join(lead))
+    wrong_checks = [c for c in checks if not c.ok]
+    events = {k: e for core in d_cores for k, e in core.state.kv_events.items()} if wrong_checks else {}
+    for c in wrong_checks:
+        v.append(f"wrong KV bytes: {c.req_id} ({c.when}): {c.wrong} of {c.positions} positions "
+                 f"({c.unwritten} never written), first {c.wrong_positions}")
+        receivers = [r for core in d_cores for b in c.blocks for r in core.state.receivers.get(b, ())]
+        lead = [c.detail] + [f"  {r} receive: " + "; ".join(events.get(r, [])[-6:])
+                             for r in dict.fromkeys([c.req_id, *c.writers, *receivers])]
+        result.leads.append("\n".join(lead))
     landed = {c.req_id for c in checks if c.when == "landed"}
     result.outcomes["not_sent"] = run.not_sent
     for s in run.sent:
