@@ -33,7 +33,7 @@ from typing import Any
 
 from benchmarks.common import BenchRun
 from benchmarks.overhead import STOCK_OVERRIDES
-from connector.glue import settings
+from connector import settings
 from connector.vocabulary import KV_LEASE_EXPIRIES, KV_LEASE_RENEWALS, KV_LEASES_HELD, PUSHES
 from connector.vocabulary import VLLM_EXTERNAL_PROMPT_TOKENS as EXTERNAL
 from connector.vocabulary import VLLM_KV_EXPIRED_TOTAL as EXPIRED

@@ -248,6 +248,23 @@ class KvVerifySkip(_Vocab):
     MISSING = "missing"
     INCOMPLETE = "incomplete"
     SHAPE = "shape"  # a layout the digest does not cover (see docs/reliability.md)
+    # The two sides speak different digest versions (a fork of another release): the
+    # prefill answered an ask it cannot compute that way, or a digest named another version.
+    VERSION = "digest_version"
+
+
+class KvVerifyReason(_Vocab):
+    """Why a decoder checked a receive (D's scheduler decides, the same for every rank)."""
+
+    SAMPLED = "sampled"  # kv_verify_ratio drew it (at ratio 1: every receive)
+    # Its prefill sent a mismatch within kv_verify_escalate_s (each restarts the window).
+    ESCALATED = "escalated"
+    # Among the first kv_verify_new_peer_requests after a new connection to its prefill,
+    # or after that prefill restarted.
+    NEW_PEER = "new_peer"
+    # It waited longer than a lease before its blocks were allocated: its KV was kept on
+    # the prefill by heartbeats alone (docs/reliability.md: why that is a risk).
+    AT_RISK = "at_risk"
 
 
 class KvVerifyAction(_Vocab):
@@ -357,6 +374,7 @@ class Attr:
     # skipped; on the mismatch event: the layers and the block range that differed.
     KV_VERIFY = "vllm.nixl.kv_verify"
     KV_VERIFY_SKIPPED = "vllm.nixl.kv_verify.skipped_because"
+    KV_VERIFY_REASON = "vllm.nixl.kv_verify.reason"  # KvVerifyReason: why it was checked
     KV_VERIFY_LAYERS = "vllm.nixl.kv_verify.layers"
     KV_VERIFY_BLOCKS = "vllm.nixl.kv_verify.blocks"
     SERVER_ADDRESS = "server.address"
@@ -395,6 +413,7 @@ MAX_PUSH_FAIL_BYTES = 1024
 # KV integrity: a fork decoder that sampled a request sets this PUSH_REG key (a stock
 # prefill ignores it); a fork prefill then sends, before the request's WRITE to each
 # decoder rank, a KV digest notification to that rank's agent (connector/integrity).
+# Its value is the digest version the decoder speaks (an older fork sent `true`: version 1).
 PUSH_REG_KV_DIGEST_KEY = "nixl_observed_kv_digest"
 KV_DIGEST_NOTIF_PREFIX = b"NIXL_OBSERVED_KV_DIGEST:"
 MAX_KV_DIGEST_BYTES = 64 * 1024  # 4,096 layers x (index, value): far past any model
@@ -408,6 +427,10 @@ REGISTRATION_TRACE_KEY = "otel_request_trace_context"
 # Extra key in the same dict: when the request arrived at D (vLLM's `arrival_time`, wall
 # clock), so the worker can observe the whole wait for KV. Never sent in a PUSH_REG.
 REGISTRATION_ARRIVAL_KEY = "nixl_observed_arrival_time"
+# Extra key in the same dict: D's scheduler's decision on checking the receive's KV (a
+# KvVerifyReason value, or "" for not checked), so every rank of the decoder decides
+# alike. Never sent in a PUSH_REG.
+REGISTRATION_VERIFY_KEY = "nixl_observed_kv_verify"
 # Extra attribute of the `NixlConnectorMetadata` P's scheduler builds each step:
 # {P request id: W3C context} for the requests whose finished blocks it ships.
 METADATA_TRACE_ATTR = "otel_request_trace_contexts"
@@ -450,7 +473,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
         [t.value for t in TelemetryError] + [r.value for r in PushRegRejection]
         + [r.value for r in SideChannelRejection] + [r.value for r in ReceiveFailure]
         + [r.value for r in PeerReset] + [r.value for r in PushFailReason]
-        + [r.value for r in ReceiveAbandon])),
+        + [r.value for r in ReceiveAbandon] + [r.value for r in KvVerifyReason])),
     Label.FATE: tuple(f.value for f in LeaseFate),
     Label.STEP: tuple(x.value for x in InternalStep),
 }
@@ -775,11 +798,13 @@ KV_DIGEST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 KV_VERIFY = MetricSpec(
     "vllm:nixl_push_kv_verify",
     MetricKind.COUNTER,
-    (Label.OUTCOME,),
-    "Sampled KV receives a decode worker checked against the digest its prefill computed "
-    "before the WRITE (kv_verify_ratio): match, mismatch (the KV is not what was sent: "
-    "failed and recomputed, or only logged with kv_verify_action=observe), or skipped (no "
-    "digest came: a stock or verify-off prefill, or a layout not covered).",
+    (Label.OUTCOME, Label.REASON),
+    "KV receives a decode worker checked against the digest its prefill computed before "
+    "the WRITE: match, mismatch (the KV is not what was sent: failed and recomputed, or only "
+    "logged with kv_verify_action=observe), or skipped (no digest came: a stock or verify-off "
+    "prefill, a layout not covered, another digest version); by reason: sampled "
+    "(kv_verify_ratio), escalated (its prefill mismatched lately), new_peer (a new or "
+    "restarted prefill), at_risk (its KV was held by heartbeats alone).",
 )
 KV_DIGEST_DURATION = MetricSpec(
     "vllm:nixl_push_kv_digest_seconds",
@@ -973,7 +998,11 @@ class StatKey:
     RECEIVES_ABANDONED = "receives_abandoned"  # list of ReceiveAbandon values
     PEERS_FORGOTTEN = "peers_forgotten"  # list of direction values
     INTERNAL_ERRORS = "internal_errors"  # list of InternalStep values
-    KV_VERIFY = "kv_verify"  # list of KvVerifyOutcome values
+    KV_VERIFY = "kv_verify"  # list of "KvVerifyOutcome|KvVerifyReason"
+    # D worker -> its scheduler (not exported): prefill engine ids whose KV mismatched,
+    # and prefill engines that restarted (the escalation rules; engine ids are no label).
+    KV_MISMATCH_FROM = "kv_mismatch_from"
+    PREFILL_RESTARTED = "prefill_restarted"
     KV_DIGEST_SECONDS = "kv_digest_seconds"  # list of seconds
 
 
@@ -1008,6 +1037,8 @@ OUR_STAT_KEYS = (
     StatKey.INTERNAL_ERRORS,
     StatKey.KV_VERIFY,
     StatKey.KV_DIGEST_SECONDS,
+    StatKey.KV_MISMATCH_FROM,
+    StatKey.PREFILL_RESTARTED,
 )
 
 # What a fork decoder adds to its PUSH_REG and heartbeats (a stock prefill ignores it):

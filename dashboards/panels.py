@@ -641,11 +641,13 @@ def _reliability() -> list[Cell]:
     mismatch = eq(Label.OUTCOME, V.KvVerifyOutcome.MISMATCH.value)
     return [
         Cell(timeseries("KV integrity checks/s",
-                        "Sampled receives a decode engine checked against the KV digest its prefill "
-                        f"computed before the WRITE, by verdict: rate of {verify} (match, mismatch, "
-                        "skipped: no digest came, from a stock or verify-off prefill). Any mismatch is "
-                        "an incident: alert NixlKvIntegrityMismatch.",
-                        [target(f"sum {by(Label.OUTCOME)} (rate({sel(verify)}[{RATE}]))", "{{outcome}}")],
+                        "Receives a decode engine checked against the KV digest its prefill computed "
+                        f"before the WRITE, by verdict and reason: rate of {verify} (match, mismatch, "
+                        "skipped: no digest came, from a stock or verify-off prefill; sampled by "
+                        "kv_verify_ratio, or, below ratio 1, escalated after a mismatch, new_peer, "
+                        "at_risk). Any mismatch is an incident: alert NixlKvIntegrityMismatch.",
+                        [target(f"sum {by(Label.OUTCOME, Label.REASON)} (rate({sel(verify)}[{RATE}]))",
+                                "{{outcome}} ({{reason}})")],
                         "suffix: checks/s"), 8, 8),
         Cell(count_stat("KV mismatches",
                         "Receives whose KV differed from what their prefill sent, in the dashboard "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from connector.glue import settings
+from connector import settings
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()

@@ -123,7 +123,8 @@ def receive_endings(stack: Stack) -> dict[str, float]:
     tokens reports when it fails (why D recomputed instead of loading)."""
     data = metric(stack.decode)
     names = {RECEIVE_FAILURES.name + "_total": "reason", KV_VERIFY.name + "_total": "outcome"}
-    return {f"{name}{{{lab.get(names[name])}}}": v for name, lab, v in data if name in names and v}
+    return {f"{name}{{{lab.get(names[name])},{lab.get('reason', '')}}}": v
+            for name, lab, v in data if name in names and v}
 
 
 def renewals(server: Any) -> float:

@@ -32,25 +32,42 @@ def _mix(x: int) -> int:
 
 
 def _reference(cache: torch.Tensor, blocks: list[int], layer: int, head0: int) -> int:
-    """The digest's definition, written out with Python integers (no torch arithmetic:
-    the wrap-around of int64 products and sums is what it checks)."""
-    _, heads, slots, channels = cache.shape
+    """The digest's definition (its module docstring), written out with Python integers
+    (no torch arithmetic: the wrap-around of 32-bit products and row sums and of the
+    64-bit total is what it checks). A row's bytes are read as little-endian 32-bit
+    lanes, whatever the dtype."""
+    _, heads, slots, _ = cache.shape
     total = 0
     for pos, block in enumerate(blocks):
         for s in range(slots):
             per_token = 0
             for h in range(heads):
-                for c in range(channels):
-                    bits = struct.unpack("<i", struct.pack("<f", float(cache[block, h, s, c])))[0]
-                    key = (head0 + h) * channels + c + (layer + 1) * 0x9E3779B97F4A7C15
-                    per_token += bits * (_mix(key) | 1)
+                raw = cache[block, h, s].contiguous().view(torch.uint8).numpy().tobytes()
+                lanes = struct.unpack(f"<{len(raw) // 4}I", raw)
+                row = 0
+                for lane, bits in enumerate(lanes):
+                    key = (head0 + h) * len(lanes) + lane + (layer + 1) * 0x9E3779B97F4A7C15
+                    row += bits * ((_mix(key) | 1) & 0xFFFFFFFF)
+                per_token += row & 0xFFFFFFFF
             total += per_token * (_mix(pos * slots + s + 0x632BE59BD9B4E019) | 1)
     return total & MASK
 
 
-def test_the_digest_is_its_definition_modulo_2_64() -> None:
-    cache = _cache(1)[:, :2, :4, :3].contiguous()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_digest_is_its_definition_modulo_2_64(dtype: torch.dtype) -> None:
+    cache = _cache(1, dtype)[:, :2, :4, :6].contiguous()
     assert _one(cache, [5, 2, 7], layer=3, head0=6) == _reference(cache, [5, 2, 7], 3, 6)
+
+
+def test_chunks_of_any_size_give_the_same_digest() -> None:
+    """The gather buffer's size is no part of the definition."""
+    cache = _cache(16, torch.bfloat16)
+    blocks = [9, 3, 14, 0, 21, 5, 6]
+    whole = _one(cache, blocks)
+    block_bytes = HEADS * SLOTS * CHANNELS * 2
+    for per_chunk in (1, 2, 3, 7):
+        assert int(layer_digest(cache, blocks, layer=0, head0=0,
+                                chunk_bytes=per_chunk * block_bytes)) & MASK == whole
 
 
 # ------------------------------------------------------------------------ equal
@@ -177,3 +194,5 @@ def test_nothing_to_digest_is_an_empty_digest_and_a_bad_view_an_error() -> None:
     assert digest([(0, _cache(15))], [], head0=0) == Digest((), ())
     with pytest.raises(ValueError, match="blocks, heads, block size, channels"):
         layer_digest(torch.zeros(4, 4), [0], layer=0, head0=0)
+    with pytest.raises(ValueError, match="32-bit lanes"):
+        layer_digest(torch.zeros(4, 2, 16, 3, dtype=torch.bfloat16), [0], layer=0, head0=0)

@@ -5,15 +5,23 @@ campaign, whose seeds corrupt landed KV (harness/campaign)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
 from connector.integrity.check import heads_of, layer_index, layer_views, verdict, write_digest
-from connector.integrity.digest import digest
+from connector.integrity.digest import DIGEST_VERSION, digest
+from connector.integrity.escalation import Escalation
 from connector.integrity.policy import VerifyPolicy, sample_point
 from connector.integrity.wire import KvDigestNotif, decode_kv_digest, encode_kv_digest
 from connector.state.digests import DigestInbox
-from connector.vocabulary import KV_DIGEST_NOTIF_PREFIX, KvVerifyAction, KvVerifyOutcome, KvVerifySkip
+from connector.vocabulary import (
+    KV_DIGEST_NOTIF_PREFIX,
+    KvVerifyAction,
+    KvVerifyOutcome,
+    KvVerifyReason,
+    KvVerifySkip,
+)
 
 MASK = (1 << 64) - 1
 
@@ -41,13 +49,112 @@ def test_a_ratio_samples_that_share_by_the_base_request_id() -> None:
 
 
 @pytest.mark.parametrize("extra", [{"kv_verify_ratio": 1.5}, {"kv_verify_ratio": "often"},
-                                   {"kv_verify_ratio": -0.1}, {"kv_verify_action": "abort"}])
+                                   {"kv_verify_ratio": -0.1}, {"kv_verify_ratio": float("nan")},
+                                   {"kv_verify_action": "abort"},
+                                   {"kv_verify_escalate_s": -1}, {"kv_verify_escalate_s": "long"},
+                                   {"kv_verify_new_peer_requests": -2},
+                                   {"kv_verify_new_peer_requests": 1.5},
+                                   {"kv_verify_new_peer_requests": True}])
 def test_a_bad_setting_is_a_clear_error(extra: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=next(iter(extra))):
         _policy(**extra)
 
 
+def test_the_escalation_settings_default_to_ten_minutes_and_sixteen_requests() -> None:
+    policy = _policy()
+    assert policy.escalate_s == 600 and policy.new_peer_requests == 16
+    assert _policy(kv_verify_escalate_s=0, kv_verify_new_peer_requests=0).new_peer_requests == 0
+
+
+# -------------------------------------------------------------------- escalation
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _escalation(clock: _Clock, **extra: object) -> Escalation:
+    extra = {"kv_verify_ratio": 0.0001, "kv_verify_new_peer_requests": 0, **extra}
+    return Escalation(_policy(**extra), lease_s=30, forget_after_s=600, clock=clock)
+
+
+def _unsampled(n: int, ratio: float = 0.0001) -> list[str]:
+    """`n` request ids the ratio does not draw (so what checks them is a rule)."""
+    ids = (f"cmpl-{i:06d}-abcd" for i in range(10**6))
+    return [r for r in ids if sample_point(r) >= ratio][:n]
+
+
+def test_after_a_mismatch_every_request_from_that_prefill_is_checked_for_the_window() -> None:
+    clock = _Clock()
+    rules = _escalation(clock, kv_verify_escalate_s=600)
+    ids = _unsampled(6)
+    assert rules.decide(ids[0], "P1", 0.0) is None
+    rules.mismatched(["P1"])
+    clock.now += 599
+    assert rules.decide(ids[1], "P1", 0.0) is KvVerifyReason.ESCALATED
+    assert rules.decide(ids[2], "P2", 0.0) is None  # (another prefill: not escalated)
+    rules.mismatched(["P1"])  # a new mismatch restarts the window
+    clock.now += 599
+    assert rules.decide(ids[3], "P1", 0.0) is KvVerifyReason.ESCALATED
+    clock.now += 2
+    assert rules.decide(ids[4], "P1", 0.0) is None
+
+
+def test_the_first_requests_to_a_new_or_restarted_prefill_are_checked() -> None:
+    clock = _Clock()
+    rules = _escalation(clock, kv_verify_new_peer_requests=3)
+    ids = iter(_unsampled(20))
+    assert [rules.decide(next(ids), "P1", 0.0) for _ in range(4)] == [KvVerifyReason.NEW_PEER] * 3 + [None]
+    assert rules.decide(next(ids), "P2", 0.0) is KvVerifyReason.NEW_PEER  # (its own count)
+    rules.restarted(["P1"])
+    assert [rules.decide(next(ids), "P1", 0.0) for _ in range(4)] == [KvVerifyReason.NEW_PEER] * 3 + [None]
+    clock.now += 601  # silent past peer_forget_after_s: a new peer again
+    assert rules.decide(next(ids), "P1", 0.0) is KvVerifyReason.NEW_PEER
+
+
+def test_a_request_that_waited_longer_than_a_lease_is_at_risk() -> None:
+    rules = _escalation(_Clock())
+    first, second = _unsampled(2)
+    assert rules.decide(first, "P1", 29.0) is None
+    assert rules.decide(second, "P1", 31.0) is KvVerifyReason.AT_RISK
+
+
+def test_at_ratio_one_every_request_is_sampled_and_at_zero_none_is_checked() -> None:
+    clock = _Clock()
+    every = Escalation(_policy(), lease_s=30, forget_after_s=600, clock=clock)
+    every.mismatched(["P1"])
+    assert {every.decide(r, "P1", 100.0) for r in _unsampled(5)} == {KvVerifyReason.SAMPLED}
+    off = Escalation(_policy(kv_verify_ratio=0), lease_s=30, forget_after_s=600, clock=clock)
+    off.mismatched(["P1"])
+    assert {off.decide(r, "P1", 100.0) for r in _unsampled(5)} == {None}
+
+
+def test_below_one_the_ratio_still_draws_its_share() -> None:
+    rules = _escalation(_Clock(), kv_verify_ratio=0.25)
+    ids = [f"cmpl-{i:06d}-abcd" for i in range(4000)]
+    reasons = [rules.decide(r, "P1", 0.0) for r in ids]
+    assert {r for r in reasons if r is not None} == {KvVerifyReason.SAMPLED}
+    assert [r is not None for r in reasons] == [sample_point(r) < 0.25 for r in ids]
+
+
 # ---------------------------------------------------------------- the notification
+def test_a_digest_of_another_version_is_skipped_not_compared() -> None:
+    cache = torch.randn(4, 2, 16, 8)
+    own = digest([(0, cache)], [1, 2], head0=0)
+    ours = KvDigestNotif("r", 0, list(own.layers), list(own.values), tokens=32, version=DIGEST_VERSION)
+    assert verdict(own, [ours]).outcome is KvVerifyOutcome.MATCH
+    # an older fork's notification carries no version (1): decoded, then not compared
+    old = decode_kv_digest(KV_DIGEST_NOTIF_PREFIX + msgspec.msgpack.encode(
+        {"request_id": "r", "sender": 0, "layers": [0], "values": [own.values[0]], "tokens": 32}))
+    assert old.version == 1
+    assert verdict(own, [old]).skipped_because is KvVerifySkip.VERSION
+    # a prefill of this version answering an older decoder's ask sends a skip it names
+    skip = verdict(own, [KvDigestNotif("r", 0, skip=KvVerifySkip.VERSION.value)])
+    assert skip.skipped_because is KvVerifySkip.VERSION
+
+
 def test_a_digest_notification_round_trips_with_64_bit_values() -> None:
     notif = KvDigestNotif("cmpl-1-0", 3, [0, 5], [MASK, 1], tokens=64, writers=2)
     assert decode_kv_digest(encode_kv_digest(notif)) == notif
@@ -81,7 +188,7 @@ def _notif(views: dict[int, torch.Tensor], blocks: list[int], own_rank: int, d_r
     carried = own & heads_of(d_rank, heads * p_tp // d_tp)
     d = write_digest(views, blocks, own, carried)
     return KvDigestNotif("r", own_rank, list(d.layers), list(d.values), tokens=len(blocks) * 8,
-                         writers=max(1, p_tp // d_tp))
+                         writers=max(1, p_tp // d_tp), version=DIGEST_VERSION)
 
 
 def test_p_tp2_to_d_tp1_matches_once_both_ranks_digests_came() -> None:
@@ -133,11 +240,12 @@ def test_no_digest_or_a_skip_is_skipped_and_a_lost_digest_fails() -> None:
     assert skip.skipped_because is KvVerifySkip.SHAPE and not skip.fails
     lost = verdict(own, [], prefill_sends=True)
     assert lost.skipped_because is KvVerifySkip.MISSING and lost.fails
-    half = KvDigestNotif("r", 0, list(own.layers), list(own.values), tokens=8, writers=2)
+    half = KvDigestNotif("r", 0, list(own.layers), list(own.values), tokens=8, writers=2,
+                         version=DIGEST_VERSION)
     partial = verdict(own, [half])
     assert partial.skipped_because is KvVerifySkip.INCOMPLETE and partial.fails
-    assert verdict(own, [KvDigestNotif("r", 0, list(own.layers), list(own.values), tokens=8)]).outcome \
-        is KvVerifyOutcome.MATCH
+    whole = KvDigestNotif("r", 0, list(own.layers), list(own.values), tokens=8, version=DIGEST_VERSION)
+    assert verdict(own, [whole]).outcome is KvVerifyOutcome.MATCH
 
 
 def test_layer_views_take_vllm_layer_names_and_refuse_what_they_cannot_digest() -> None:

@@ -28,6 +28,8 @@ from connector.vocabulary import (
     PUSH_REG_DIGEST_KEY,
     REGISTRATION_ARRIVAL_KEY,
     REGISTRATION_TRACE_KEY,
+    REGISTRATION_VERIFY_KEY,
+    KvVerifyReason,
 )
 from harness.config import EngineSpec, build_kv_cache_config, build_vllm_config
 
@@ -86,10 +88,13 @@ def test_d_registration_carries_the_request_trace_context(configs, headers):
     reg = meta.push_registrations["cmpl-d-1"]
     assert reg[REGISTRATION_TRACE_KEY] == {"traceparent": TRACEPARENT, "tracestate": TRACESTATE}
     # Everything vLLM put there is unchanged; ours adds the trace context, the prompt
-    # digest (which P checks its match against) and the request's arrival.
+    # digest (which P checks its match against), the request's arrival and the KV
+    # check's decision (every request at the default ratio).
     stock_reg = stock_meta.push_registrations["cmpl-d-1"]
     assert {k: v for k, v in reg.items()
-            if k not in (REGISTRATION_TRACE_KEY, PUSH_REG_DIGEST_KEY, REGISTRATION_ARRIVAL_KEY)} == stock_reg
+            if k not in (REGISTRATION_TRACE_KEY, PUSH_REG_DIGEST_KEY, REGISTRATION_ARRIVAL_KEY,
+                         REGISTRATION_VERIFY_KEY)} == stock_reg
+    assert reg[REGISTRATION_VERIFY_KEY] == KvVerifyReason.SAMPLED.value
     assert reg[PUSH_REG_DIGEST_KEY] == prompt_digest(a_request("cmpl-d-1", params).prompt_token_ids)
     assert set(meta.reqs_to_recv) == set(stock_meta.reqs_to_recv) == {"cmpl-d-1"}
     # The metadata crosses to the workers by pickle (vLLM's multiproc executor).
@@ -105,7 +110,7 @@ def test_d_registration_without_a_traceparent_is_stock(configs, headers):
     reg = ours.build_connector_meta(SchedulerOutput.make_empty()).push_registrations["cmpl-d-2"]
     stock_reg = stock.build_connector_meta(SchedulerOutput.make_empty()).push_registrations["cmpl-d-2"]
     assert {k: v for k, v in reg.items()
-            if k not in (PUSH_REG_DIGEST_KEY, REGISTRATION_ARRIVAL_KEY)} == stock_reg
+            if k not in (PUSH_REG_DIGEST_KEY, REGISTRATION_ARRIVAL_KEY, REGISTRATION_VERIFY_KEY)} == stock_reg
     assert REGISTRATION_TRACE_KEY not in reg
 
 

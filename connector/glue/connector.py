@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector as StockNixlPushConnector,
 )
 
-from connector.glue import listener
+from connector.glue import guard, listener
 from connector.glue.guard import SCHEDULER_SEAM, WORKER_SEAM
 from connector.glue.host_settings import SETTING_ERRORS, HostSettings
 from connector.glue.scheduler import ObservedPushScheduler
@@ -141,4 +141,5 @@ class NixlPushConnector(StockNixlPushConnector):
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
                            labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> ObservedPromMetrics:
-        return ObservedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return ObservedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
+                                   degraded=guard.degraded)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from connector.glue.settings import KV_TRANSFER_CPU_AFFINITY
+from connector.settings import KV_TRANSFER_CPU_AFFINITY
 
 EXTRA_CONFIG_KEY = KV_TRANSFER_CPU_AFFINITY.key
 CONTAIN = "contain"

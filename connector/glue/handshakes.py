@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 )
 from vllm.platforms import current_platform
 
-from connector.glue import settings
+from connector import settings
 from connector.glue.compat import accepted, bind_handshake_tail
 from connector.glue.flow import Flow
 from connector.glue.side_channel import SideChannelClient

@@ -1,13 +1,19 @@
 """KV integrity on the push path: P digests what each WRITE carries, D checks it.
 
-- D (writer, `_send_registration_to_p` in receive.py): a receive that `VerifyPolicy`
-  samples asks for a digest in its PUSH_REG (`PUSH_REG_KV_DIGEST_KEY`; a stock P
-  ignores it, and D then counts the receive `skipped`).
+- D (scheduler, connector/glue/scheduler.py): which receives are checked and why
+  (connector/integrity/escalation.py), one decision per request in its registration,
+  the same for every rank. D (main, `start_load_kv`): a receive to check asks for a
+  digest of this version in its PUSH_REG (`PUSH_REG_KV_DIGEST_KEY`; a stock P ignores
+  it, and D then counts the receive `skipped`).
 - P (writer, `_xfer_blocks` in push.py, before vLLM posts each WRITE): for a request
-  whose PUSH_REG asked (`_digest_wanted`, writer-owned), the digest of the KV this
+  whose PUSH_REG asked (`_digest_wanted`, writer-owned, with the version asked), the digest of the KV this
   WRITE carries (its blocks after vLLM's prefix-cache trim, the heads that D rank
   holds, every layer of this rank) goes in a notification to that D rank's agent, ahead
   of the WRITE. A digest that cannot be computed sends a `skip`; the WRITE goes anyway.
+  Another digest version: an older fork decoder asks for version 1 (`true`); this
+  prefill answers with a `skip` (`digest_version`), so that receive is counted skipped,
+  not checked with a definition it does not compute. An older fork prefill does not
+  answer a version-2 ask at all: the decoder counts it skipped as a stock prefill.
 - D (writer, from the notification router): each digest into the inbox
   (connector/state/digests.py).
 - D (main, after vLLM's step reported the KV landed, before the request's first decode
@@ -35,7 +41,7 @@ from connector.integrity.check import (
     verdict,
     write_digest,
 )
-from connector.integrity.digest import Digest, digest
+from connector.integrity.digest import DIGEST_VERSION, Digest, digest
 from connector.integrity.policy import VerifyPolicy
 from connector.integrity.wire import KvDigestNotif, decode_kv_digest, encode_kv_digest
 from connector.state.digests import DigestInbox
@@ -43,10 +49,12 @@ from connector.telemetry import errors
 from connector.telemetry.tracing import peer_str
 from connector.vocabulary import (
     PUSH_REG_KV_DIGEST_KEY,
+    REGISTRATION_VERIFY_KEY,
     Attr,
     InternalStep,
     KvVerifyAction,
     KvVerifyOutcome,
+    KvVerifyReason,
     KvVerifySkip,
     ReceiveFailure,
     SpanEvent,
@@ -65,11 +73,12 @@ class IntegrityFlow(Flow):
         self._local_heads = 0
         self._pp_rank = _pp_rank()
         self._digests = DigestInbox()  # D: writer puts, main takes
-        # P (writer-owned): requests whose WRITEs being posted carry a digest.
-        self._digest_wanted: set[str] = set()
-        # D (main-owned): sampled receives -> (their kernel block ids, None when not
-        # checkable; the prefill engine id, for the log line).
-        self._verify_wanted: dict[str, tuple[list[int] | None, str]] = {}
+        # P (writer-owned): requests whose WRITEs being posted carry a digest -> the
+        # digest version their PUSH_REG asked for.
+        self._digest_wanted: dict[str, int] = {}
+        # D (main-owned): receives to check -> (their kernel block ids, None when not
+        # checkable; the prefill engine id; why it is checked).
+        self._verify_wanted: dict[str, tuple[list[int] | None, str, KvVerifyReason]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
@@ -85,29 +94,41 @@ class IntegrityFlow(Flow):
         return self._pp_rank * self.world_size + self.tp_rank
 
     # ------------------------------------------------------------------ D: asking
-    def _ask_for_digest(self, req_id: str, reg: dict[str, Any]) -> None:
-        """D (writer, on the PUSH_REG copy it owns): ask for a digest if sampled."""
-        if self._verify.sampled(req_id):
-            reg[PUSH_REG_KV_DIGEST_KEY] = True
+    def _digest_asked(self, reg: dict[str, Any]) -> int | None:
+        """P: the digest version the PUSH_REG asked for (an older fork asks `true`:
+        version 1), or None; P answers unless its own ratio is 0."""
+        asked = reg.get(PUSH_REG_KV_DIGEST_KEY)
+        if not self._verify.enabled or asked is None or asked is False:
+            return None
+        if asked is True:
+            return 1
+        return asked if type(asked) is int and asked > 0 else None
 
-    def _digest_asked(self, reg: dict[str, Any]) -> bool:
-        """P: the PUSH_REG asked for a digest (P answers unless its own ratio is 0)."""
-        return self._verify.enabled and reg.get(PUSH_REG_KV_DIGEST_KEY) is True
+    def _verify_reason(self, req_id: str, reg: dict[str, Any]) -> KvVerifyReason | None:
+        """D: why this receive is checked: our scheduler's decision (the same on every
+        rank), or the ratio's draw for a registration it did not stage."""
+        decided = reg.get(REGISTRATION_VERIFY_KEY)
+        if decided is None:
+            return KvVerifyReason.SAMPLED if self._verify.sampled(req_id) else None
+        return KvVerifyReason(decided) if decided else None
 
     def _note_verify_wanted(self, registrations: dict[str, dict[str, Any]]) -> None:
-        """D (main, the receives handed over this step): which are checked, and on what."""
+        """D (main, the receives handed over this step, before vLLM queues them for the
+        writer): which are checked, and on what; their PUSH_REGs ask for a digest."""
         if not self._verify.enabled:
             return
         for req_id, reg in registrations.items():
-            if not self._verify.sampled(req_id):
+            reason = self._verify_reason(req_id, reg)
+            if reason is None:
                 continue
+            reg[PUSH_REG_KV_DIGEST_KEY] = DIGEST_VERSION
             try:
                 blocks = self._kernel_blocks(reg.get("local_block_ids"))
             except Exception:
                 self._internal_error(InternalStep.KV_DIGEST, f"the blocks of request {req_id} to "
                                      "check (counted skipped)")
                 blocks = None
-            self._verify_wanted[req_id] = (blocks, str(reg.get("remote_engine_id", "")))
+            self._verify_wanted[req_id] = (blocks, str(reg.get("remote_engine_id", "")), reason)
 
     def _kernel_blocks(self, grouped: Any) -> list[int] | None:
         if not grouped or self._kv_views is None:
@@ -121,11 +142,16 @@ class IntegrityFlow(Flow):
         return list(kernel[0])
 
     # ------------------------------------------------------------ P: the digest
-    def _send_kv_digest(self, read_spec: Any, dst_engine_id: str, remote_request_id: str) -> None:
-        """P (writer, before vLLM posts this WRITE): its digest to the D rank it targets."""
+    def _send_kv_digest(self, read_spec: Any, dst_engine_id: str, remote_request_id: str,
+                        version: int) -> None:
+        """P (writer, before vLLM posts this WRITE): its digest to the D rank it targets
+        (a `skip` when the decoder asked for a version other than ours)."""
         rank = read_spec.remote_rank
         try:
-            notif = self._write_digest(read_spec, dst_engine_id, remote_request_id)
+            notif = (self._write_digest(read_spec, dst_engine_id, remote_request_id)
+                     if version == DIGEST_VERSION else
+                     KvDigestNotif(remote_request_id, self._sender_rank(), skip=KvVerifySkip.VERSION.value,
+                                   version=DIGEST_VERSION))
         except Exception:
             self._internal_error(InternalStep.KV_DIGEST, f"the KV digest of request "
                                  f"{peer_str(remote_request_id)}'s WRITE (sent as skipped)")
@@ -173,7 +199,8 @@ class IntegrityFlow(Flow):
         self._count_digest_time(time.perf_counter() - started)
         slots = int(next(iter(views.values())).shape[2])
         return KvDigestNotif(remote_request_id, sender, list(result.layers), list(result.values),
-                             tokens=len(blocks) * slots, writers=max(1, p_tp // d_tp))
+                             tokens=len(blocks) * slots, writers=max(1, p_tp // d_tp),
+                             version=DIGEST_VERSION)
 
     # ------------------------------------------------------------- D: the check
     def _kv_digest_from(self, agent: Any, message: bytes) -> None:
@@ -197,7 +224,7 @@ class IntegrityFlow(Flow):
         for req_id in results.finished_recving:
             if req_id not in wanted:
                 continue
-            blocks, prefill = wanted.pop(req_id)
+            blocks, prefill, reason = wanted.pop(req_id)
             if req_id in failed:
                 self._digests.forget((req_id,))
                 continue
@@ -214,7 +241,10 @@ class IntegrityFlow(Flow):
                                       else ReceiveFailure.KV_UNVERIFIED)
                 if blocks:
                     self._invalid_block_ids.put(set(blocks))
-            self._observe_verdict(req_id, prefill, blocks, outcome)
+            if outcome.outcome is KvVerifyOutcome.MISMATCH and prefill:
+                # (to the scheduler, for its escalation rules: data, not telemetry)
+                self.xfer_stats.record_kv_mismatch_from(prefill)
+            self._observe_verdict(req_id, prefill, blocks, outcome, reason)
         return mismatched
 
     def _check(self, req_id: str, blocks: list[int] | None, prefill: str) -> Verdict:
@@ -245,7 +275,7 @@ class IntegrityFlow(Flow):
             errors.note(TelemetryError.STATS, exc)
 
     def _observe_verdict(self, req_id: str, prefill: str, blocks: list[int] | None,
-                         outcome: Verdict) -> None:
+                         outcome: Verdict, reason: KvVerifyReason) -> None:
         if outcome.outcome is KvVerifyOutcome.MISMATCH:
             logger.error("KV integrity: request %s decodes from KV that is not what its prefill %s "
                          "sent: layers %s differ over blocks %s (%s)", req_id,
@@ -262,10 +292,11 @@ class IntegrityFlow(Flow):
             logger.debug("KV integrity: request %s not checked (%s)", req_id,
                          outcome.skipped_because.value if outcome.skipped_because else "")
         try:
-            self.xfer_stats.record_kv_verify(outcome.outcome.value)
+            self.xfer_stats.record_kv_verify(outcome.outcome.value, reason.value)
             span = self._receive_spans.get(req_id) if self._spans.enabled else None
             if span is not None and span.is_recording():
                 span.set_attribute(Attr.KV_VERIFY, outcome.outcome.value)
+                span.set_attribute(Attr.KV_VERIFY_REASON, reason.value)
                 if outcome.skipped_because is not None:
                     span.set_attribute(Attr.KV_VERIFY_SKIPPED, outcome.skipped_because.value)
                 if outcome.outcome is KvVerifyOutcome.MISMATCH:

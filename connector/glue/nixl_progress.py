@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from connector.glue.settings import NIXL_PROGRESS_DELAY_US
+from connector.settings import NIXL_PROGRESS_DELAY_US
 
 logger = logging.getLogger(__name__)
 

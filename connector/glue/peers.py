@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-from connector.glue import settings
+from connector import settings
 from connector.glue.flow import Flow, ParkedPush, ParkedPushFail, ParkedRegistration
 from connector.glue.side_channel import SideChannelClient
 from connector.state import agent_name
@@ -92,6 +92,8 @@ class PeerFlow(Flow):
         logger.warning("Remote engine %s came back with a new NIXL agent (it restarted): "
                        "requests whose KV it held are failed now", peer_str(engine_id))
         self._digests.forget_engine(engine_id)  # (it may be back without KV digests)
+        if self._kv_role != "kv_producer":  # (the scheduler checks its next requests: new_peer)
+            self.xfer_stats.record_prefill_restarted(engine_id)
         for req_id in self._receives.registered_on(engine_id, old_agents):
             logger.warning("Request %s: failing its KV load (peer_restarted: the KV it waits for "
                            "was on engine %s's previous NIXL agent)", req_id, peer_str(engine_id))

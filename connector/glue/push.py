@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.glue import settings
+from connector import settings
 from connector.glue.flow import Flow, ParkedPush, ParkedPushFail
 from connector.glue.wire import (
     count_blocks,
@@ -418,15 +418,16 @@ class PushFlow(Flow):
             remote=RemoteMeta(block_ids=self._as_grouped_block_ids(reg["local_block_ids"]), host="",
                               port=0, engine_id=engine_id, request_id=reg["request_id"]))
         handles = self._posted_handles[request_id] = []
-        if self._digest_asked(reg):
-            self._digest_wanted.add(request_id)  # (each WRITE's digest goes ahead of it)
+        asked = self._digest_asked(reg)
+        if asked is not None:
+            self._digest_wanted[request_id] = asked  # (each WRITE's digest goes ahead of it)
         raised = True
         try:
             self._xfer_blocks_for_req(req_id=request_id, meta=meta)
             raised = False
         finally:
             self._posted_handles.pop(request_id, None)
-            self._digest_wanted.discard(request_id)
+            self._digest_wanted.pop(request_id, None)
             if raised and handles:
                 # vLLM publishes a request's handles at the end of its posting call: any
                 # posted before it raised would be invisible to every in-flight check.
@@ -451,10 +452,11 @@ class PushFlow(Flow):
             self._push_writer_wake.set()
 
     def _xfer_blocks(self, *args: Any, **kwargs: Any) -> int | None:
-        if self._digest_wanted and kwargs.get("request_id") in self._digest_wanted:
+        version = self._digest_wanted.get(kwargs.get("request_id")) if self._digest_wanted else None
+        if version is not None:
             # KV integrity: this WRITE's digest, to its D rank, before the WRITE is posted.
             self._send_kv_digest(kwargs["read_spec"], kwargs["dst_engine_id"],
-                                 kwargs["remote_request_id"])
+                                 kwargs["remote_request_id"], version)
         handle = super()._xfer_blocks(*args, **kwargs)
         # Kept here, before vLLM publishes the handle: once published, the main thread
         # may see the WRITE done at any moment. (vLLM passes `request_id` by keyword; the

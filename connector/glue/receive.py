@@ -39,6 +39,7 @@ from connector.vocabulary import (
     PUSH_REG_TRACE_KEY,
     REGISTRATION_ARRIVAL_KEY,
     REGISTRATION_TRACE_KEY,
+    REGISTRATION_VERIFY_KEY,
     SPAN_PUSH_RECEIVE,
     SPAN_PUSH_REGISTER,
     Attr,
@@ -108,7 +109,7 @@ class ReceiveFlow(Flow):
         if PUSH_REG_CAPS_KEY not in reg_data:
             reg_data = {**reg_data, PUSH_REG_CAPS_KEY: OUR_CAPS}
             reg_data.pop(REGISTRATION_ARRIVAL_KEY, None)  # (D's own: P has no use for it)
-            self._ask_for_digest(req_id, reg_data)  # (KV integrity, if sampled)
+            reg_data.pop(REGISTRATION_VERIFY_KEY, None)
         span = None
         if self._spans.enabled and send == 1:  # (a PUSH_REG sent again opens no new span)
             try:

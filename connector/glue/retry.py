@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from connector.glue import settings
+from connector import settings
 from connector.vocabulary import ErrorType
 
 TRANSIENT = frozenset({ErrorType.TIMEOUT, ErrorType.UNREACHABLE})

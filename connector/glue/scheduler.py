@@ -22,7 +22,11 @@ and D never frees blocks a WRITE can still reach:
   until the worker reports them; upstream that never happens when no KV comes).
 
 D's registration also carries when the request arrived (vLLM's `arrival_time`), so the
-worker observes the request's whole wait for KV, a stage of its TTFT.
+worker observes the request's whole wait for KV, a stage of its TTFT, and whether the
+worker checks the request's KV, and why (connector/integrity/escalation.py): decided
+here, once, so every rank of the decoder checks the same receives. The workers tell it
+which prefills sent KV that mismatched or restarted through their stats
+(`update_connector_output`).
 
 It also runs vLLM's side-channel listener under `listener.supervise` (see there): a
 bad request no longer ends the listener, and a port that cannot be bound is an error
@@ -40,8 +44,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
     NixlPushConnectorScheduler,
 )
 
+from connector import settings
 from connector.glue import listener
 from connector.glue.wire import prompt_digest
+from connector.integrity.escalation import Escalation
+from connector.integrity.policy import VerifyPolicy
 from connector.telemetry.tracing import trace_carrier
 from connector.vocabulary import (
     METADATA_DIGEST_ATTR,
@@ -50,6 +57,8 @@ from connector.vocabulary import (
     PUSH_REG_DIGEST_KEY,
     REGISTRATION_ARRIVAL_KEY,
     REGISTRATION_TRACE_KEY,
+    REGISTRATION_VERIFY_KEY,
+    StatKey,
 )
 
 if TYPE_CHECKING:
@@ -101,6 +110,13 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
         self._waiting_since: dict[str, float] = {}
         self._waiting_reported_at = 0.0
         self._waiting_report_owed = False
+        # D: which receives the workers check (a bad setting stops the engine here too).
+        kv = self.vllm_config.kv_transfer_config
+        extra = kv.get_from_extra_config
+        policy = VerifyPolicy.from_config(extra)
+        forget_s = float(settings.read(extra, settings.PEER_FORGET_AFTER_S))
+        self._escalation = (None if kv.kv_role == "kv_producer" else
+                            Escalation(policy, lease_s=settings.lease_s(extra), forget_after_s=forget_s))
 
     def on_new_request(self, request: Request) -> None:
         super().on_new_request(request)
@@ -165,6 +181,11 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
         arrival = getattr(request, "arrival_time", None)
         if type(arrival) is float:  # the start of its wait for KV (nixl_push_kv_wait_seconds)
             registration[REGISTRATION_ARRIVAL_KEY] = arrival
+        if self._escalation is not None:
+            waited = time.time() - arrival if type(arrival) is float else 0.0
+            reason = self._escalation.decide(request.request_id,
+                                             str(registration.get("remote_engine_id", "")), waited)
+            registration[REGISTRATION_VERIFY_KEY] = reason.value if reason is not None else ""
         if not request.trace_headers:  # tracing off, or no context sent: no work
             return
         try:
@@ -200,6 +221,15 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
         super().update_connector_output(connector_output)
         if self._given_up_open:
             self._given_up_open.difference_update(connector_output.finished_recving or ())
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        data = getattr(stats, "data", None)
+        if self._escalation is not None and isinstance(data, dict):
+            mismatched = data.get(StatKey.KV_MISMATCH_FROM)
+            if mismatched:
+                self._escalation.mismatched(str(e) for e in mismatched)
+            restarted = data.get(StatKey.PREFILL_RESTARTED)
+            if restarted:
+                self._escalation.restarted(str(e) for e in restarted)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.glue import settings
+from connector import settings
 from connector.glue.compat import RemoteAgentTable
 from connector.glue.cpu_affinity import EXTRA_CONFIG_KEY as AFFINITY_KEY
 from connector.glue.guard import check_worker

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from connector.integrity.digest import Digest, digest
+from connector.integrity.digest import DIGEST_VERSION, Digest, digest
 from connector.integrity.wire import KvDigestNotif
 from connector.vocabulary import KvVerifyOutcome, KvVerifySkip
 
@@ -102,6 +102,8 @@ def verdict(own: Digest, received: Iterable[KvDigestNotif], *, prefill_sends: bo
             except ValueError:
                 why = KvVerifySkip.SHAPE
             return Verdict(KvVerifyOutcome.SKIPPED, why)
+    if any(notif.version != DIGEST_VERSION for notif in received):
+        return Verdict(KvVerifyOutcome.SKIPPED, KvVerifySkip.VERSION)  # (another definition)
     sums: dict[int, int] = {}
     parts: dict[int, int] = {}
     wanted: dict[int, int] = {}

@@ -26,7 +26,8 @@ class KvDigestNotif(msgspec.Struct, frozen=True):
     this WRITE carries. `tokens`: how many token positions it covers. `writers`: how
 many P ranks send this D rank a part of the same layers (P TP2 -> D TP1: 2), so that
 D knows when it has them all. `skip`: set
-    instead of a digest when P could not compute one (a KvVerifySkip value)."""
+    instead of a digest when P could not compute one (a KvVerifySkip value). `version`:
+    the digest version it was computed with."""
 
     request_id: Annotated[str, msgspec.Meta(max_length=MAX_PEER_STRING)]
     sender: _INDEX
@@ -35,6 +36,9 @@ D knows when it has them all. `skip`: set
     tokens: _INDEX = 0
     writers: _INDEX = 1  # P ranks whose WRITEs carry this D rank's heads of these layers
     skip: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    # The digest's definition (connector/integrity/digest.py); an older fork sends none
+    # (and its decoder ignores this field).
+    version: _INDEX = 1
 
 
 def encode_kv_digest(notif: KvDigestNotif) -> bytes:

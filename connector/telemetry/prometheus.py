@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter as Counter_
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -56,7 +57,10 @@ class ObservedPromMetrics(NixlPromMetrics):
     """vLLM's NIXL metrics plus the handshake and push metrics of the vocabulary."""
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]):
+                 per_engine_labelvalues: dict[int, list[object]], *,
+                 degraded: Callable[[], bool] = lambda: False):
+        """`degraded`: whether this process runs on a vLLM the start-up guard does not
+        vouch for (the connector passes the guard's verdict; telemetry imports no glue)."""
         # Built a second time in one process without vLLM's unregister (a second
         # KVConnectorProm), registration would raise for every name, stock ones
         # included: reuse the registered metric instead, so both instances count
@@ -68,87 +72,93 @@ class ObservedPromMetrics(NixlPromMetrics):
         self._children: dict[tuple[str, int, tuple[str, ...]], Any] = {}
         for spec in V.ALL_METRICS:
             self._ours[spec.name] = self._make(spec, list(labelnames))
-        # Pre-create the series dashboards and alerts rely on, so rates start at 0
-        # instead of appearing from nowhere (no NaN gaps on idle engines).
         for idx in self.per_engine_labelvalues:
-            for direction in V.Direction:
-                for notif in (True, False):
-                    self._child(V.HANDSHAKE_DURATION, idx, direction.value, bool_label(notif),
-                                V.Outcome.SUCCESS.value)
-                    # rate()/increase() cannot see a series' first sample: a counter
-                    # born at 1 (often the only D->P handshake per peer) would never
-                    # show. 32 counters + 20 histograms per engine.
-                    for trigger in V.Trigger:
-                        for outcome in V.Outcome:
-                            self._child(V.HANDSHAKES, idx, direction.value, trigger.value,
-                                        bool_label(notif), outcome.value)
-                    for phase in V.Phase:
-                        if notif and phase in V.FULL_ONLY_PHASES:
-                            continue
-                        self._child(V.HANDSHAKE_PHASE_DURATION, idx, direction.value,
-                                    bool_label(notif), phase.value)
-                self._child(V.DESCRIPTOR_REGISTRATIONS_SAVED, idx, direction.value)
-                self._child(V.DESCRIPTORS_SAVED, idx, direction.value)
-                for which in V.DescriptorList:
-                    self._child(V.DESCRIPTOR_REGISTRATIONS, idx, direction.value, which.value)
-                    self._child(V.DESCRIPTORS_REGISTERED, idx, direction.value, which.value)
-            for outcome in V.NotifOutcome:
-                self._child(V.PUSH_REG_NOTIFS, idx, outcome.value)
-            for event in V.PushEvent:
-                self._child(V.PUSHES, idx, event.value)
-            for outcome in V.ReceiveOutcome:
-                self._child(V.RECEIVE_DURATION, idx, outcome.value)
-                self._child(V.KV_WAIT, idx, outcome.value)
-            self._child(V.PUSH_WRITE_WAIT, idx)
-            self._child(V.PUSH_WRITE_DURATION, idx)
-            for direction in V.Direction:
-                self._child(V.HANDSHAKE_RETRIES, idx, direction.value)
-                self._child(V.HANDSHAKE_OLDEST_IN_FLIGHT, idx, direction.value).set(0)
-                for notif in (True, False):
-                    self._child(V.HANDSHAKES_IN_FLIGHT, idx, direction.value, bool_label(notif)).set(0)
-            for reason in V.PushRegRejection:
-                self._child(V.PUSH_REG_REJECTED, idx, reason.value)
-            for lost in V.TelemetryError:
-                self._child(V.TELEMETRY_ERRORS, idx, lost.value)
-            for why in V.SideChannelRejection:
-                self._child(V.SIDE_CHANNEL_REJECTED, idx, why.value)
-            for renewal in V.LeaseRenewal:
-                self._child(V.KV_LEASE_RENEWALS, idx, renewal.value)
-            for fate in V.LeaseFate:
-                self._child(V.KV_LEASE_EXPIRIES, idx, fate.value)
-            self._child(V.KV_LEASES_REAPED_LATE, idx)
-            for outcome in V.NotifOutcome:
-                self._child(V.HEARTBEATS, idx, outcome.value)
-            for gauge in _SNAPSHOT_GAUGES:
-                self._child(gauge, idx).set(0)
-            for direction in V.Direction:
-                self._child(V.PEER_RESTARTS, idx, direction.value)
-                for reset in V.PeerReset:
-                    self._child(V.PEER_RESETS, idx, direction.value, reset.value)
-            for why in V.ReceiveFailure:
-                self._child(V.RECEIVE_FAILURES, idx, why.value)
-            for reason in V.PushFailReason:
-                for sent in V.PushFailOutcome:
-                    self._child(V.PUSH_FAIL_NOTIFS, idx, reason.value, sent.value)
-            for abort in V.WriteAbort:
-                self._child(V.WRITE_ABORTS, idx, abort.value)
-            for why in V.ReceiveAbandon:
-                self._child(V.RECEIVES_ABANDONED, idx, why.value)
-            for direction in V.Direction:
-                self._child(V.PEERS_FORGOTTEN, idx, direction.value)
-            for step in V.InternalStep:
-                self._child(V.INTERNAL_ERRORS, idx, step.value)
-            for verdict in V.KvVerifyOutcome:
-                self._child(V.KV_VERIFY, idx, verdict.value)
-            self._child(V.KV_DIGEST_DURATION, idx)
-        self._init_degraded_gauge(list(labelnames))
+            self._precreate_handshake_series(idx)
+            self._precreate_push_series(idx)
+        self._init_degraded_gauge(list(labelnames), degraded)
+
+    def _precreate_handshake_series(self, idx: int) -> None:
+        """Pre-create the series dashboards and alerts rely on, so rates start at 0
+        instead of appearing from nowhere (no NaN gaps on idle engines): handshakes."""
+        for direction in V.Direction:
+            for notif in (True, False):
+                self._child(V.HANDSHAKE_DURATION, idx, direction.value, bool_label(notif),
+                            V.Outcome.SUCCESS.value)
+                # rate()/increase() cannot see a series' first sample: a counter
+                # born at 1 (often the only D->P handshake per peer) would never
+                # show. 32 counters + 20 histograms per engine.
+                for trigger in V.Trigger:
+                    for outcome in V.Outcome:
+                        self._child(V.HANDSHAKES, idx, direction.value, trigger.value,
+                                    bool_label(notif), outcome.value)
+                for phase in V.Phase:
+                    if notif and phase in V.FULL_ONLY_PHASES:
+                        continue
+                    self._child(V.HANDSHAKE_PHASE_DURATION, idx, direction.value,
+                                bool_label(notif), phase.value)
+            self._child(V.DESCRIPTOR_REGISTRATIONS_SAVED, idx, direction.value)
+            self._child(V.DESCRIPTORS_SAVED, idx, direction.value)
+            for which in V.DescriptorList:
+                self._child(V.DESCRIPTOR_REGISTRATIONS, idx, direction.value, which.value)
+                self._child(V.DESCRIPTORS_REGISTERED, idx, direction.value, which.value)
+
+    def _precreate_push_series(self, idx: int) -> None:
+        """The same for the push, lease, receive and KV-check series."""
+        for outcome in V.NotifOutcome:
+            self._child(V.PUSH_REG_NOTIFS, idx, outcome.value)
+        for event in V.PushEvent:
+            self._child(V.PUSHES, idx, event.value)
+        for outcome in V.ReceiveOutcome:
+            self._child(V.RECEIVE_DURATION, idx, outcome.value)
+            self._child(V.KV_WAIT, idx, outcome.value)
+        self._child(V.PUSH_WRITE_WAIT, idx)
+        self._child(V.PUSH_WRITE_DURATION, idx)
+        for direction in V.Direction:
+            self._child(V.HANDSHAKE_RETRIES, idx, direction.value)
+            self._child(V.HANDSHAKE_OLDEST_IN_FLIGHT, idx, direction.value).set(0)
+            for notif in (True, False):
+                self._child(V.HANDSHAKES_IN_FLIGHT, idx, direction.value, bool_label(notif)).set(0)
+        for reason in V.PushRegRejection:
+            self._child(V.PUSH_REG_REJECTED, idx, reason.value)
+        for lost in V.TelemetryError:
+            self._child(V.TELEMETRY_ERRORS, idx, lost.value)
+        for why in V.SideChannelRejection:
+            self._child(V.SIDE_CHANNEL_REJECTED, idx, why.value)
+        for renewal in V.LeaseRenewal:
+            self._child(V.KV_LEASE_RENEWALS, idx, renewal.value)
+        for fate in V.LeaseFate:
+            self._child(V.KV_LEASE_EXPIRIES, idx, fate.value)
+        self._child(V.KV_LEASES_REAPED_LATE, idx)
+        for outcome in V.NotifOutcome:
+            self._child(V.HEARTBEATS, idx, outcome.value)
+        for gauge in _SNAPSHOT_GAUGES:
+            self._child(gauge, idx).set(0)
+        for direction in V.Direction:
+            self._child(V.PEER_RESTARTS, idx, direction.value)
+            for reset in V.PeerReset:
+                self._child(V.PEER_RESETS, idx, direction.value, reset.value)
+        for why in V.ReceiveFailure:
+            self._child(V.RECEIVE_FAILURES, idx, why.value)
+        for reason in V.PushFailReason:
+            for sent in V.PushFailOutcome:
+                self._child(V.PUSH_FAIL_NOTIFS, idx, reason.value, sent.value)
+        for abort in V.WriteAbort:
+            self._child(V.WRITE_ABORTS, idx, abort.value)
+        for why in V.ReceiveAbandon:
+            self._child(V.RECEIVES_ABANDONED, idx, why.value)
+        for direction in V.Direction:
+            self._child(V.PEERS_FORGOTTEN, idx, direction.value)
+        for step in V.InternalStep:
+            self._child(V.INTERNAL_ERRORS, idx, step.value)
+        for verdict in V.KvVerifyOutcome:
+            for reason in V.KvVerifyReason:
+                self._child(V.KV_VERIFY, idx, verdict.value, reason.value)
+        self._child(V.KV_DIGEST_DURATION, idx)
 
     # -- start-up guard verdict (connector/glue/guard.py) ----------------------------
-    def _init_degraded_gauge(self, labelnames: list[str]) -> None:
+    def _init_degraded_gauge(self, labelnames: list[str], degraded: Callable[[], bool]) -> None:
         """`vllm:nixl_observed_degraded` per engine: 1 when running on an untested vLLM."""
         try:
-            from connector.glue.guard import degraded
-
             value = 1.0 if degraded() else 0.0
             gauge = self._gauge_cls(name=V.OBSERVED_DEGRADED.name, documentation=V.OBSERVED_DEGRADED.help,
                                     labelnames=labelnames, multiprocess_mode="mostrecent")
@@ -375,7 +385,6 @@ _LABELLED = (
     (StatKey.RECEIVES_ABANDONED, V.RECEIVES_ABANDONED, V.ReceiveAbandon),
     (StatKey.PEERS_FORGOTTEN, V.PEERS_FORGOTTEN, V.Direction),
     (StatKey.INTERNAL_ERRORS, V.INTERNAL_ERRORS, V.InternalStep),
-    (StatKey.KV_VERIFY, V.KV_VERIFY, V.KvVerifyOutcome),
 )
 # A receive's outcome, validated by one lookup (one record per request).
 _RECEIVE_OUTCOMES = {outcome.value: outcome.value for outcome in V.ReceiveOutcome}
@@ -384,6 +393,11 @@ _RECEIVE_OUTCOMES = {outcome.value: outcome.value for outcome in V.ReceiveOutcom
 def _push_fail(value: Any) -> tuple[str, str]:
     reason, outcome = str(value).split("|")
     return V.PushFailReason(reason).value, V.PushFailOutcome(outcome).value
+
+
+def _kv_verify(value: Any) -> tuple[str, str]:
+    outcome, reason = str(value).split("|")
+    return V.KvVerifyOutcome(outcome).value, V.KvVerifyReason(reason).value
 
 
 def _peer_reset(value: Any) -> tuple[str, str]:
@@ -395,6 +409,7 @@ def _peer_reset(value: Any) -> tuple[str, str]:
 _PAIRED: tuple[tuple[Any, ...], ...] = (
     (StatKey.PEER_RESETS, V.PEER_RESETS, _peer_reset),
     (StatKey.PUSH_FAILS, V.PUSH_FAIL_NOTIFS, _push_fail),
+    (StatKey.KV_VERIFY, V.KV_VERIFY, _kv_verify),
 )
 
 # Stats keys holding counts, with the metric (and label value) they add to.

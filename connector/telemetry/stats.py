@@ -175,8 +175,16 @@ class ObservedNixlStats(NixlKVConnectorStats):
         self._append(StatKey.INTERNAL_ERRORS, step)
 
     # -- KV integrity (connector/integrity) -------------------------------------
-    def record_kv_verify(self, outcome: str) -> None:
-        self._append(StatKey.KV_VERIFY, outcome)
+    def record_kv_verify(self, outcome: str, reason: str) -> None:
+        self._append(StatKey.KV_VERIFY, f"{outcome}|{reason}")
+
+    def record_kv_mismatch_from(self, engine_id: str) -> None:
+        """For D's scheduler (its escalation rules), not for /metrics."""
+        self._append(StatKey.KV_MISMATCH_FROM, engine_id)
+
+    def record_prefill_restarted(self, engine_id: str) -> None:
+        """For D's scheduler (its escalation rules), not for /metrics."""
+        self._append(StatKey.PREFILL_RESTARTED, engine_id)
 
     def record_kv_digest(self, seconds: float) -> None:
         self._append(StatKey.KV_DIGEST_SECONDS, seconds)

@@ -416,6 +416,7 @@ def counters(run: SeedRun, result: SeedResult, landed: set[str]) -> None:
     failure_reasons = _stat_counts(d_stats, StatKey.RECEIVE_FAILURES)
     lease_refusals = failure_reasons["lease_expired"]
     telemetry_lost = _stat_counts(d_stats + p_stats, StatKey.TELEMETRY_ERRORS)
+    verify_records = [str(v) for s in d_stats for v in s.get(StatKey.KV_VERIFY, ())]
     result.counters = {
         **result.counters,
         "d_receives_ok": ok_receives, "d_receives_landed_seen": landed_ok,
@@ -427,7 +428,9 @@ def counters(run: SeedRun, result: SeedResult, landed: set[str]) -> None:
         "d_receive_failure_reasons": dict(failure_reasons),
         "write_aborts": dict(_stat_counts(p_stats, StatKey.WRITE_ABORTS)),
         "telemetry_errors": dict(telemetry_lost),
-        "kv_verify": dict(_stat_counts(d_stats, StatKey.KV_VERIFY)),
+        # (each record is "outcome|reason": by outcome, and by why it was checked)
+        "kv_verify": dict(Counter(v.partition("|")[0] for v in verify_records)),
+        "kv_verify_reason": dict(Counter(v.rpartition("|")[2] for v in verify_records)),
     }
     verdicts = result.counters["kv_verify"]
     corrupted = sum(c.get("corrupted", 0) for name, c in result.faults_injected.items()
