@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import signal
+import sys
 from types import ModuleType
 
 from benchmarks.common import BenchRun
@@ -32,8 +33,12 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
-def _modules() -> dict[str, ModuleType]:
-    return {name: importlib.import_module(path) for name, path in BENCHMARKS.items()}
+def _modules(argv: list[str] | None = None) -> dict[str, ModuleType]:
+    """The benchmark named first on the command line alone (its imports only: `kv-verify
+    --device cuda` runs where vLLM is not installed), else all of them (for --help)."""
+    named = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("-")][:1]
+    names = named if named and named[0] in BENCHMARKS else list(BENCHMARKS)
+    return {name: importlib.import_module(BENCHMARKS[name]) for name in names}
 
 
 def parser(modules: dict[str, ModuleType]) -> argparse.ArgumentParser:
@@ -55,7 +60,7 @@ def _interrupt(*_: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    modules = _modules()
+    modules = _modules(argv)
     args = parser(modules).parse_args(argv)
     module = modules[args.benchmark]
     # SIGTERM unwinds like Ctrl-C, so each benchmark's `finally` stops the engines it

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from harness.runner import LOG_DIR_ENV
+from harness.logs import LOG_DIR_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_ROOT = REPO / ".cache" / "bench"

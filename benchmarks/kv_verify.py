@@ -1,11 +1,19 @@
-"""What the KV check costs: the digest's time per MiB of KV; engine CPU and TTFT on real `vllm serve`.
+"""What the KV check costs: the digest against a gather of the same blocks; engine CPU on real serve.
 
-Part 1, `digest` (in this process, torch on the CPU): the time of one digest of a
-request's KV, as P computes it before a WRITE and D after the KV landed (the same
-function), median of `--repeats`, for two shapes: the demo's tiny Llama (2 layers, 2
-KV heads of 32 channels, fp32) at its prompt sizes, and a Llama-3.1-8B shape (32
-layers, 8 KV heads of 128 channels, bf16, TP1) at an 8k-token prompt. Blocks of 16
-tokens, K and V packed in a block's content, as vLLM lays a layer out.
+Part 1, `digest` (this process; torch only, no vLLM or NIXL: `--device cuda` runs on a
+GPU machine with torch alone): on `--threads` threads (1 by default), for the demo's
+tiny Llama (fp32, 2 KV heads of 32 channels) and a Llama-3.1-8B layer (bf16, 8 KV heads
+of 128 channels), blocks of 16 tokens with K and V packed in a block's content as vLLM
+lays a layer out: a request's blocks scattered in a cache of at least 2,048 blocks,
+8 MiB and 64 MiB of them. Side by side in one run, medians of `--repeats`: the digest
+(`connector.integrity.digest.digest`) and a gather of the same blocks into a buffer
+allocated once (`index_select`, the floor of any digest that reads the blocks), each
+with the caches cold (a buffer larger than the last-level cache written before each
+repeat: the KV a check reads was written by the forward pass or the NIC, not by this
+core) and warm (the same blocks read again). Then the digest of one request's whole
+KV at the demo's prompt sizes and at an 8k-token Llama-3.1-8B prompt (32 layers).
+On CUDA also: how long the host waits for `digest()` while a long kernel is queued on
+the compute stream, against the same digest read back on the compute stream.
 
 Part 2, `serve` (paired on real `vllm serve`): a fresh P/D pair of the fork per
 `kv_verify_ratio` (P and D each pinned to its own core, the project's router, the
@@ -13,7 +21,8 @@ demo's model), a steady stream of `--concurrency` clients with fresh prompts; ov
 window of `--seconds`, the CPU of every thread of both engines from /proc and each
 request's latency (non-streamed, `--max-tokens` tokens: TTFT plus a few decode
 steps). The pairs run one after the other in alternating order over `--rounds`
-rounds; medians over rounds. Figures, not checks.
+rounds; medians over rounds. Figures, not checks. (`engine-cpu` splits the same by
+thread.)
 """
 
 from __future__ import annotations
@@ -21,31 +30,36 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import BenchRun, cpu_delta, thread_cpu
-from benchmarks.overhead import PROMPT_LENGTHS, Stream
+from benchmarks.common import BenchRun
 from connector.integrity.digest import digest
-from demo.engines import RouterProcess, VllmServer, session_pids
-from demo.model import random_checkpoint
-from demo.stack import MODEL_CACHE
-from harness.poll import wait_until
 
 BLOCK = 16
-# (name, layers, kv heads, channels per head (K and V: twice this), dtype, prompt tokens)
-SHAPES = (
+MIB = 1 << 20
+SIZES_MIB = (8, 64)
+# (name, kv heads, channels per head (K and V: twice this), dtype)
+LAYERS = (
+    ("demo tiny Llama", 2, 32, torch.float32),
+    ("Llama-3.1-8B layer", 8, 128, torch.bfloat16),
+)
+# (name, layers, kv heads, channels per head, dtype, prompt tokens): one request's whole KV
+REQUESTS = (
     ("demo tiny Llama, 64 tokens", 2, 2, 32, torch.float32, 64),
-    ("demo tiny Llama, 130 tokens", 2, 2, 32, torch.float32, 130),
-    ("Llama-3.1-8B shape, 8k tokens", 32, 8, 128, torch.bfloat16, 8192),
+    ("demo tiny Llama, 480 tokens", 2, 2, 32, torch.float32, 480),
+    ("Llama-3.1-8B, 8k tokens", 32, 8, 128, torch.bfloat16, 8192),
 )
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--parts", default="digest,serve", help="comma-separated: digest, serve")
-    ap.add_argument("--repeats", type=int, default=5, help="digests per shape (median)")
+    ap.add_argument("--device", default="cpu", help="the digest part's device: cpu or cuda")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the digest part")
+    ap.add_argument("--repeats", type=int, default=7, help="timings per figure (median)")
     ap.add_argument("--ratios", default="0,0.01,0.1,1", help="kv_verify_ratio of each pair")
     ap.add_argument("--rounds", type=int, default=2, help="rounds over the ratios (alternating order)")
     ap.add_argument("--seconds", type=int, default=30, help="measurement window per pair")
@@ -55,48 +69,190 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------- part 1
-def digest_times(repeats: int, bench: BenchRun) -> list[dict[str, Any]]:
-    rows = []
-    for name, layers, heads, channels, dtype, tokens in SHAPES:
-        blocks = -(-tokens // BLOCK)
-        gen = torch.Generator().manual_seed(1)
-        caches = [(layer, torch.randn((blocks + 8, heads, BLOCK, 2 * channels), generator=gen).to(dtype))
-                  for layer in range(layers)]
-        ids = list(range(4, 4 + blocks))
-        mib = blocks * heads * BLOCK * 2 * channels * caches[0][1].element_size() * layers / 2**20
-        digest(caches, ids, head0=0)  # (weights built and cached, as after a first request)
+class Timer:
+    """Median wall time of a call on `device` (CUDA: synchronized around it), with the
+    caches evicted before each repeat or not."""
+
+    def __init__(self, device: torch.device, repeats: int):
+        self.device, self.repeats = device, repeats
+        # Larger than any last-level cache we run on (a CPU's L3, an H100's 50 MB L2).
+        self._scratch = torch.zeros(256 * MIB // 4, dtype=torch.int32, device=device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def median(self, fn: Callable[[], Any], *, cold: bool) -> float:
+        fn()  # (weights built, buffers allocated: as after a first request)
         times = []
-        for _ in range(repeats):
+        for _ in range(self.repeats):
+            if cold:
+                self._scratch.add_(1)
+            self._sync()
             t = time.perf_counter()
-            digest(caches, ids, head0=0)
+            fn()
+            self._sync()
             times.append(time.perf_counter() - t)
-        median = statistics.median(times)
-        rows.append({"shape": name, "layers": layers, "kv_heads": heads, "channels": channels,
-                     "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "kv_mib": round(mib, 3),
-                     "digest_ms": median * 1e3, "ms_per_mib": median * 1e3 / mib})
-        bench.say(f"digest, {name}: {mib:.2f} MiB of KV in {median * 1e3:.2f} ms "
-                  f"({median * 1e3 / mib:.2f} ms per MiB; median of {repeats})")
+        return statistics.median(times)
+
+
+def _cache(blocks: int, heads: int, channels: int, dtype: torch.dtype, device: torch.device,
+           seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn((blocks, heads, BLOCK, 2 * channels), generator=gen).to(dtype).to(device)
+
+
+def speed_row(timer: Timer, name: str, heads: int, channels: int, dtype: torch.dtype,
+              mib: int) -> dict[str, Any]:
+    """The digest against a gather of the same blocks, for one layer shape and size."""
+    block_bytes = heads * BLOCK * 2 * channels * torch.empty((), dtype=dtype).element_size()
+    count = mib * MIB // block_bytes
+    cache = _cache(max(2048, 2 * count), heads, channels, dtype, timer.device)
+    ids = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(mib))[:count]
+    block_ids = ids.tolist()
+    ids = ids.to(timer.device)
+    out = torch.empty((count, *cache.shape[1:]), dtype=dtype, device=timer.device)
+    row: dict[str, Any] = {"shape": name, "kv_mib": mib, "blocks": count, "block_kib": block_bytes / 1024}
+    for cold in (True, False):
+        which = "cold" if cold else "warm"
+        gather = timer.median(lambda: torch.index_select(cache, 0, ids, out=out), cold=cold)
+        dig = timer.median(lambda: digest([(0, cache)], block_ids, head0=0), cold=cold)
+        row[f"gather_gbps_{which}"] = mib * MIB / gather / 1e9
+        row[f"digest_gbps_{which}"] = mib * MIB / dig / 1e9
+        row[f"digest_share_of_gather_{which}"] = gather / dig
+    return row
+
+
+def speed_rows(timer: Timer, bench: BenchRun) -> list[dict[str, Any]]:
+    rows = []
+    for name, heads, channels, dtype in LAYERS:
+        for mib in SIZES_MIB:
+            row = speed_row(timer, name, heads, channels, dtype, mib)
+            rows.append(row)
+            bench.say(f"{name}, {mib} MiB in {row['blocks']} blocks: digest {row['digest_gbps_cold']:.1f} "
+                      f"GB/s, gather {row['gather_gbps_cold']:.1f} GB/s cold "
+                      f"({row['digest_share_of_gather_cold']:.0%}); warm "
+                      f"{row['digest_gbps_warm']:.1f} / {row['gather_gbps_warm']:.1f} GB/s "
+                      f"({row['digest_share_of_gather_warm']:.0%})")
     return rows
 
 
-# ------------------------------------------------------------------- part 2
-class TimedStream(Stream):
-    """The overhead benchmark's client stream, with each request's latency kept."""
+def request_row(timer: Timer, name: str, layers: int, heads: int, channels: int, dtype: torch.dtype,
+                tokens: int) -> dict[str, Any]:
+    """One digest of a request's whole KV, as P computes it before a WRITE and D after it
+    landed (the same function)."""
+    blocks = -(-tokens // BLOCK)
+    caches = [(layer, _cache(blocks + 8, heads, channels, dtype, timer.device, seed=layer))
+              for layer in range(layers)]
+    ids = list(range(4, 4 + blocks))
+    mib = blocks * heads * BLOCK * 2 * channels * caches[0][1].element_size() * layers / MIB
+    median = timer.median(lambda: digest(caches, ids, head0=0), cold=True)
+    return {"shape": name, "layers": layers, "kv_heads": heads, "channels": channels,
+            "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "kv_mib": round(mib, 3),
+            "digest_ms": median * 1e3, "ms_per_mib": median * 1e3 / mib}
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        self.latencies: list[float] = []
-        super().__init__(*args, **kwargs)
 
-    def send(self, prompt: list[int], request_id: str) -> bool:
+def request_rows(timer: Timer, bench: BenchRun) -> list[dict[str, Any]]:
+    rows = []
+    for spec in REQUESTS:
+        row = request_row(timer, *spec)
+        rows.append(row)
+        bench.say(f"digest of one request, {row['shape']}: {row['kv_mib']:.2f} MiB of KV in "
+                  f"{row['digest_ms']:.2f} ms ({row['kv_mib'] / 1024 / row['digest_ms'] * 1e3:.2f} GiB/s; "
+                  f"median of {timer.repeats})")
+    return rows
+
+
+def host_wait(timer: Timer, bench: BenchRun) -> dict[str, Any]:
+    """CUDA: the host's wait for `digest()` while the compute stream is busy, against the
+    same digest computed on the compute stream and read back there (what a digest that
+    used the current stream would cost the engine's thread)."""
+    device = timer.device
+    heads, channels, dtype = LAYERS[-1][1:]
+    cache = _cache(2048, heads, channels, dtype, device)
+    ids = list(range(0, 2048, 2))  # 64 MiB
+    busy_ms = 200.0
+    cycles = _cycles_for(busy_ms, device)
+
+    def waited(read_back_on_compute: bool) -> float:
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(cycles)  # a long kernel queued on the compute stream
         t = time.perf_counter()
-        ok = super().send(prompt, request_id)
-        if ok:
-            self.latencies.append(time.perf_counter() - t)
-        return ok
+        if read_back_on_compute:
+            from connector.integrity.digest import _layer_totals
+
+            _layer_totals([(0, cache)], ids, 0).cpu()
+        else:
+            digest([(0, cache)], ids, head0=0)
+        elapsed = time.perf_counter() - t
+        torch.cuda.synchronize(device)
+        return elapsed
+
+    waited(False)
+    ours = statistics.median(waited(False) for _ in range(timer.repeats))
+    compute = statistics.median(waited(True) for _ in range(timer.repeats))
+    bench.say(f"host wait with a {busy_ms:.0f} ms kernel queued on the compute stream: digest() "
+              f"{ours * 1e3:.1f} ms; the same digest read back on the compute stream {compute * 1e3:.1f} ms")
+    return {"queued_kernel_ms": busy_ms, "digest_host_wait_ms": ours * 1e3,
+            "compute_stream_read_back_ms": compute * 1e3}
+
+
+def _cycles_for(ms: float, device: torch.device) -> int:
+    """GPU clock cycles that `torch.cuda._sleep` spins for about `ms` here (measured)."""
+    probe = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    torch.cuda.synchronize(device)
+    return int(probe * ms / max(start.elapsed_time(end), 1e-3))
+
+
+def digest_part(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    timer = Timer(device, args.repeats)
+    what = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    bench.say(f"digest on {device} ({what}), {args.threads} thread(s), medians of {args.repeats}")
+    result = {"device": str(device), "threads": args.threads,
+              "speed": speed_rows(timer, bench), "requests": request_rows(timer, bench)}
+    if device.type == "cuda":
+        result["host_wait"] = host_wait(timer, bench)
+    print("\nshape | KiB/block | MiB | digest GB/s | gather GB/s | digest/gather (cold) | (warm)")
+    for r in result["speed"]:
+        print(f"{r['shape']} | {r['block_kib']:.0f} | {r['kv_mib']} | {r['digest_gbps_cold']:.1f} | "
+              f"{r['gather_gbps_cold']:.1f} | {r['digest_share_of_gather_cold']:.0%} | "
+              f"{r['digest_share_of_gather_warm']:.0%}")
+    return result
+
+
+# ------------------------------------------------------------------- part 2
+def timed_stream(*args: Any) -> Any:
+    """The overhead benchmark's client stream, with each request's latency kept (imported
+    here: the digest part runs where neither vLLM nor the demo is installed)."""
+    from benchmarks.overhead import Stream
+
+    class TimedStream(Stream):
+        def __init__(self, *args: Any, **kwargs: Any):
+            self.latencies: list[float] = []
+            super().__init__(*args, **kwargs)
+
+        def send(self, prompt: list[int], request_id: str) -> bool:
+            t = time.perf_counter()
+            ok = super().send(prompt, request_id)
+            if ok:
+                self.latencies.append(time.perf_counter() - t)
+            return ok
+
+    return TimedStream(*args)
 
 
 def serve_pair(workdir: Path, ratio: float, model: Path, args: argparse.Namespace,
                bench: BenchRun) -> dict[str, Any]:
+    from benchmarks.common import cpu_delta, thread_cpu
+    from demo.engines import RouterProcess, VllmServer, session_pids
+    from harness.poll import wait_until
+
     extra = {"kv_connector_extra_config": {"kv_verify_ratio": ratio}}
     servers: list[VllmServer] = []
     router = None
@@ -112,7 +268,7 @@ def serve_pair(workdir: Path, ratio: float, model: Path, args: argparse.Namespac
         bench.say(f"ratio {ratio}: P and D vllm serve and router up in {time.monotonic() - t:.0f} s "
                   f"(logs in {workdir})")
         pids = [pid for server in servers for pid in session_pids(server.pid)]
-        stream = TimedStream(router.url, args.concurrency, args.max_tokens, f"verify{ratio}")
+        stream = timed_stream(router.url, args.concurrency, args.max_tokens, f"verify{ratio}")
         try:
             warm = args.warmup + args.concurrency
             wait_until(lambda: stream.done >= warm, f"{warm} warm-up requests", 600, interval_s=0.2)
@@ -138,6 +294,9 @@ Rows = list[dict[str, Any]]
 
 def serve_rows(args: argparse.Namespace, bench: BenchRun) -> tuple[Rows, Rows]:
     """(medians per ratio, every pair's figures)."""
+    from demo.model import random_checkpoint
+    from demo.stack import MODEL_CACHE
+
     ratios = [float(r) for r in args.ratios.split(",") if r]
     model = random_checkpoint(MODEL_CACHE)
     runs: list[dict[str, Any]] = []
@@ -161,9 +320,9 @@ def serve_rows(args: argparse.Namespace, bench: BenchRun) -> tuple[Rows, Rows]:
 
 def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
     parts = set(args.parts.split(","))
-    result: dict[str, Any] = {"block_size": BLOCK, "prompt_lengths": PROMPT_LENGTHS}
+    result: dict[str, Any] = {"block_size": BLOCK}
     if "digest" in parts:
-        result["digest"] = digest_times(args.repeats, bench)
+        result["digest"] = digest_part(args, bench)
     if "serve" in parts:
         result["serve"], result["serve_runs"] = serve_rows(args, bench)
         off = next((r for r in result["serve"] if r["ratio"] == 0), None)

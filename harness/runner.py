@@ -17,11 +17,11 @@ from typing import Any
 
 from harness.config import FORK, EngineSpec
 from harness.engine import engine_main
+from harness.logs import LOG_DIR_ENV
 from harness.poll import wait_until
 from harness.ports import free_port
 
 # When set, every engine whose spec names no log file writes its output to a file here.
-LOG_DIR_ENV = "HARNESS_LOG_DIR"
 # Engine start-up on a loaded 2-core machine can take minutes; raise it there.
 START_TIMEOUT_S = float(os.environ.get("HARNESS_START_TIMEOUT_S", "180"))
 

@@ -116,7 +116,7 @@ def run(args, bench):
         (bench.dir / "child.stopped").write_text("")
 
 fake.run = run
-bm._modules = lambda: {"fake": fake}
+bm._modules = lambda argv=None: {"fake": fake}
 sys.exit(bm.main(["fake", "--out", sys.argv[1]]))
 '''
 

@@ -129,17 +129,17 @@ def layer_digest(cache: torch.Tensor, block_ids: list[int] | torch.Tensor, *, la
     block_bytes = heads * slots * row_bytes
     per_chunk = max(1, chunk_bytes // block_bytes)
     buf = _buffer(device, min(per_chunk, ids.numel()) * block_bytes)
-    total = torch.zeros((), dtype=torch.int64, device=device)
+    rows = torch.empty((ids.numel(), heads, slots), dtype=torch.int32, device=device)
     for start in range(0, ids.numel(), per_chunk):
         chunk = ids[start:start + per_chunk]
         n = chunk.numel()
         gathered = buf[:n * block_bytes].view(cache.dtype).view(n, heads, slots, content)
         torch.index_select(cache, 0, chunk, out=gathered)
         lanes = gathered.view(torch.int32)  # [n, heads, slots, lanes]: the KV's own bytes
-        rows = lanes.mul_(weights).sum(-1, dtype=torch.int32)  # [n, heads, slots], mod 2^32
-        per_token = rows.to(torch.int64).bitwise_and_(_MASK32).sum(1).view(-1)  # [n * slots]
-        total += per_token.mul_(positions[start * slots:(start + n) * slots]).sum()  # mod 2^64
-    return total
+        torch.sum(lanes.mul_(weights), -1, dtype=torch.int32, out=rows[start:start + n])  # mod 2^32
+    # The row sums are 1/lanes of the KV: the rest is small.
+    per_token = rows.to(torch.int64).bitwise_and_(_MASK32).sum(1).view(-1)  # [tokens], exact
+    return per_token.mul_(positions).sum()  # modulo 2^64
 
 
 @dataclass(frozen=True)

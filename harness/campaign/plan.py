@@ -63,6 +63,7 @@ class Plan:
     faults: list[FaultEvent] = field(default_factory=list)
     ghost: bool = False
     corrupt: float = 0.0  # share of D's landed receives with a bit flipped (KV check)
+    corrupt_ranks: tuple[int, ...] = ()  # the D ranks that corrupt (none named: every rank)
 
     @property
     def duration_s(self) -> float:
@@ -79,7 +80,7 @@ class Plan:
             kinds[f.kind] = kinds.get(f.kind, 0) + 1
         return {"seed": self.seed, "p_tp": self.p_tp, "d_tp": self.d_tp, "d_blocks": self.d_blocks,
                 "requests": len(self.requests), "ghost": self.ghost, "faults": kinds,
-                "corrupt": self.corrupt,
+                "corrupt": self.corrupt, "corrupt_ranks": list(self.corrupt_ranks),
                 "reused_ids": len(self.requests) - len({r.tid for r in self.requests}),
                 "aborts": sum(r.abort_after is not None for r in self.requests),
                 "prefill_leg_aborts": sum(r.abort_prefill_leg for r in self.requests),

@@ -125,7 +125,8 @@ class SeedRun:
         # corruption the check skipped is decoded from by design, and the byte checker's
         # wrong bytes would be the campaign's own, not the product's.
         if self.plan.corrupt and self.verify_ratio >= 1.0:
-            d.rank_call("corrupt_landed", self.plan.corrupt)
+            for rank in self.plan.corrupt_ranks or (None,):
+                d.rank_call("corrupt_landed", self.plan.corrupt, rank=rank)
 
     def stop(self) -> None:
         for core in [*self.cores.values(), *(c for _, c in self.retired)]:
