@@ -110,36 +110,51 @@ def _buffer(device: torch.device, nbytes: int) -> torch.Tensor:
     return buf
 
 
-def layer_digest(cache: torch.Tensor, block_ids: list[int] | torch.Tensor, *, layer: int, head0: int,
-                 chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
-    """The digest (a 0-d int64 tensor, on the cache's device) of one layer's cache
-    `[blocks, local heads, block size, content]` over `block_ids`, in that order;
-    `head0` is the global index of the cache's first head. Where K and V are separate
-    tensors, each is its own entry (a layer index of its own)."""
+def _check_view(cache: torch.Tensor) -> None:
     if cache.dim() != 4:
         raise ValueError(f"expected a [blocks, heads, block size, channels] view, got {tuple(cache.shape)}")
+    if cache.shape[3] * cache.element_size() % _LANE_BYTES:
+        raise ValueError(f"a head's row of {cache.shape[3] * cache.element_size()} bytes is not a whole "
+                         "number of 32-bit lanes")
+
+
+def _row_sums(cache: torch.Tensor, ids: torch.Tensor, layer: int, head0: int, chunk_bytes: int,
+              out: torch.Tensor) -> None:
+    """Fill `out` [blocks, heads, slots] (int32) with each row's weighted lane sum, mod 2^32."""
     _, heads, slots, content = cache.shape
     row_bytes = content * cache.element_size()
-    if row_bytes % _LANE_BYTES:
-        raise ValueError(f"a head's row of {row_bytes} bytes is not a whole number of 32-bit lanes")
-    device = cache.device
-    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=device)
-    weights = _lane_weights(layer, head0, heads, row_bytes // _LANE_BYTES, device)
-    positions = _position_weights(ids.numel() * slots, device)
+    weights = _lane_weights(layer, head0, heads, row_bytes // _LANE_BYTES, cache.device)
     block_bytes = heads * slots * row_bytes
     per_chunk = max(1, chunk_bytes // block_bytes)
-    buf = _buffer(device, min(per_chunk, ids.numel()) * block_bytes)
-    rows = torch.empty((ids.numel(), heads, slots), dtype=torch.int32, device=device)
+    buf = _buffer(cache.device, min(per_chunk, ids.numel()) * block_bytes)
     for start in range(0, ids.numel(), per_chunk):
         chunk = ids[start:start + per_chunk]
         n = chunk.numel()
         gathered = buf[:n * block_bytes].view(cache.dtype).view(n, heads, slots, content)
         torch.index_select(cache, 0, chunk, out=gathered)
         lanes = gathered.view(torch.int32)  # [n, heads, slots, lanes]: the KV's own bytes
-        torch.sum(lanes.mul_(weights), -1, dtype=torch.int32, out=rows[start:start + n])  # mod 2^32
-    # The row sums are 1/lanes of the KV: the rest is small.
-    per_token = rows.to(torch.int64).bitwise_and_(_MASK32).sum(1).view(-1)  # [tokens], exact
-    return per_token.mul_(positions).sum()  # modulo 2^64
+        torch.sum(lanes.mul_(weights), -1, dtype=torch.int32, out=out[start:start + n])
+
+
+def _fold(rows: torch.Tensor) -> torch.Tensor:
+    """Row sums [..., blocks, heads, slots] -> digests [...]: the unsigned row sums added
+    per token (exact), times the position weights, summed modulo 2^64. The row sums are
+    1/lanes of the KV: this part is small."""
+    per_token = rows.to(torch.int64).bitwise_and_(_MASK32).sum(-2).flatten(-2)  # [..., tokens]
+    return per_token.mul_(_position_weights(per_token.shape[-1], rows.device)).sum(-1)
+
+
+def layer_digest(cache: torch.Tensor, block_ids: list[int] | torch.Tensor, *, layer: int, head0: int,
+                 chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """The digest (a 0-d int64 tensor, on the cache's device) of one layer's cache
+    `[blocks, local heads, block size, content]` over `block_ids`, in that order;
+    `head0` is the global index of the cache's first head. Where K and V are separate
+    tensors, each is its own entry (a layer index of its own)."""
+    _check_view(cache)
+    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=cache.device)
+    rows = torch.empty((ids.numel(), cache.shape[1], cache.shape[2]), dtype=torch.int32, device=cache.device)
+    _row_sums(cache, ids, layer, head0, chunk_bytes, rows)
+    return _fold(rows)
 
 
 @dataclass(frozen=True)
@@ -170,9 +185,18 @@ def _side_stream(device: torch.device) -> Any:
 
 
 def _layer_totals(caches: list[tuple[int, Any]], block_ids: list[int], head0: int) -> torch.Tensor:
-    device = caches[0][1].device
-    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=device)
-    return torch.stack([layer_digest(cache, ids, layer=layer, head0=head0) for layer, cache in caches])
+    """Every layer's digest, [layers] int64. Layers of one shape (the usual case) share one
+    row-sum tensor and one fold: a request's fixed cost is a few calls per layer."""
+    first = caches[0][1]
+    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=first.device)
+    if any(c.shape[1:] != first.shape[1:] or c.dtype != first.dtype for _, c in caches):
+        return torch.stack([layer_digest(cache, ids, layer=layer, head0=head0) for layer, cache in caches])
+    _check_view(first)
+    rows = torch.empty((len(caches), ids.numel(), first.shape[1], first.shape[2]), dtype=torch.int32,
+                       device=first.device)
+    for i, (layer, cache) in enumerate(caches):
+        _row_sums(cache, ids, layer, head0, CHUNK_BYTES, rows[i])
+    return _fold(rows)
 
 
 def digest(caches: list[tuple[int, Any]], block_ids: list[int], *, head0: int) -> Digest:
