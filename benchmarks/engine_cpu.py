@@ -183,19 +183,24 @@ def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
     tables = {v: summarize(runs, v) for v in variants if v != "stock"}
     for variant, table in tables.items():
         _print(variant, table, runs, args, bench)
+    # What the KV check alone costs: the fork as it ships against the fork with it off.
+    check = summarize(runs, "fork", "fork-nocheck") if {"fork", "fork-nocheck"} <= set(variants) else []
+    if check:
+        _print("fork", check, runs, args, bench, "fork-nocheck")
     return {"requests": args.requests, "rounds": args.rounds, "concurrency": args.concurrency,
             "max_tokens": args.max_tokens, "variants": {v: VARIANTS[v] for v in variants}, "runs": runs,
-            "against_stock": tables}
+            "against_stock": tables, "kv_check": check}
 
 
-def summarize(runs: list[dict[str, Any]], variant: str) -> list[dict[str, Any]]:
-    """Per group: medians of `variant` and stock over rounds and of the per-round difference."""
+def summarize(runs: list[dict[str, Any]], variant: str, baseline: str = "stock") -> list[dict[str, Any]]:
+    """Per group: medians of `variant` and `baseline` over rounds and of the per-round
+    difference (the keys say `stock` for the baseline, whichever it is)."""
     groups = sorted({g for r in runs for g in r["ms_per_request"]},
                     key=lambda g: (g.split()[0], "total" not in g, g))
     by_round: dict[int, dict[str, dict[str, Any]]] = collections.defaultdict(dict)
     for r in runs:
         by_round[r["round"]][r["variant"]] = r
-    pairs = [(v[variant], v["stock"]) for v in by_round.values() if variant in v and "stock" in v]
+    pairs = [(v[variant], v[baseline]) for v in by_round.values() if variant in v and baseline in v]
     out = []
     for g in [*groups, "wall"]:
         def value(row: dict[str, Any], group: str = g) -> float:
@@ -216,18 +221,19 @@ def summarize(runs: list[dict[str, Any]], variant: str) -> list[dict[str, Any]]:
 
 
 def _print(variant: str, table: list[dict[str, Any]], runs: list[dict[str, Any]], args: argparse.Namespace,
-           bench: BenchRun) -> None:
-    print(f"\nEngine CPU per request, {variant} against stock, {bench.date[:10]}, commit {bench.commit}: "
-          f"{args.rounds} rounds x {args.requests} requests ({args.concurrency} clients, {args.max_tokens} "
-          "tokens), tracing off; medians over rounds, ms per request; per-round difference in %")
-    print(f"{'group':<50} {variant:>12} {'stock':>8} {'difference':>10} {'(min..max)':>16} {'higher':>6}"
+           bench: BenchRun, baseline: str = "stock") -> None:
+    print(f"\nEngine CPU per request, {variant} against {baseline}, {bench.date[:10]}, "
+          f"commit {bench.commit}: {args.rounds} rounds x {args.requests} requests "
+          f"({args.concurrency} clients, {args.max_tokens} tokens), tracing off; medians over rounds, "
+          "ms per request; per-round difference in %")
+    print(f"{'group':<50} {variant:>12} {baseline:>12} {'difference':>10} {'(min..max)':>16} {'higher':>6}"
           "  per round")
     for row in table:
         whole = "total" in row["group"] or "wall" in row["group"]
         if max(row["ms"], row["stock_ms"]) < 0.05 and not whole:
             continue
         rounds = " ".join(f"{p:+.1f}%" for p in row["diff_pct"]) if whole else ""
-        print(f"{row['group']:<50} {row['ms']:>12.2f} {row['stock_ms']:>8.2f} {row['diff_ms']:>+10.2f} "
+        print(f"{row['group']:<50} {row['ms']:>12.2f} {row['stock_ms']:>12.2f} {row['diff_ms']:>+10.2f} "
               f"({row['diff_min_ms']:+.2f}..{row['diff_max_ms']:+.2f}) {row['rounds_higher']:>3}/"
               f"{row['rounds']}  {rounds}")
     failed = sum(r["failed"] for r in runs)

@@ -49,6 +49,9 @@ def test_missing_nixl_fails_with_install_hint(tmp_path, monkeypatch):
     ("nixl_progress_delay_us", "100us", "nixl_progress_delay_us must be a whole number"),
     ("nixl_progress_delay_us", -5, "nixl_progress_delay_us must be between 0 and"),
     ("kv_transfer_cpu_affinity", "last-core", "kv_transfer_cpu_affinity must be one of contain, upstream"),
+    ("kv_verify_ratio", 2, "kv_verify_ratio must be from 0 to 1"),
+    ("kv_verify_escalate_s", -60, "kv_verify_escalate_s must be 0 or more seconds"),
+    ("kv_verify_new_peer_requests", "some", "kv_verify_new_peer_requests must be a whole number"),
 ])
 def test_a_bad_deployment_setting_fails_start_up_naming_it(tmp_path, key, value, says):
     spec = EngineSpec(name="x", engine_id="e", kv_role="kv_consumer", side_channel_port=1,

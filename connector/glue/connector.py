@@ -27,6 +27,7 @@ from connector.glue.guard import SCHEDULER_SEAM, WORKER_SEAM
 from connector.glue.host_settings import SETTING_ERRORS, HostSettings
 from connector.glue.scheduler import ObservedPushScheduler
 from connector.glue.worker import ObservedPushWorker
+from connector.integrity.policy import VerifyPolicy
 from connector.telemetry.prometheus import ObservedPromMetrics
 from connector.telemetry.stats import ObservedNixlStats
 
@@ -85,7 +86,8 @@ def check_connector_config(vllm_config: VllmConfig) -> None:
         raise ConnectorConfigError("kv_transfer_config.engine_id must be set for push mode")
     try:
         HostSettings.from_extra_config(kv.get_from_extra_config)
-    except SETTING_ERRORS as exc:
+        VerifyPolicy.from_config(kv.get_from_extra_config)  # (the KV check's settings)
+    except (*SETTING_ERRORS, ValueError) as exc:
         raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None
 
 
