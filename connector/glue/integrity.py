@@ -110,7 +110,12 @@ class IntegrityFlow(Flow):
         decided = reg.get(REGISTRATION_VERIFY_KEY)
         if decided is None:
             return KvVerifyReason.SAMPLED if self._verify.sampled(req_id) else None
-        return KvVerifyReason(decided) if decided else None
+        if not decided:
+            return None
+        try:
+            return KvVerifyReason(decided)
+        except ValueError:  # (not a value our scheduler writes: check it rather than guess)
+            return KvVerifyReason.SAMPLED
 
     def _note_verify_wanted(self, registrations: dict[str, dict[str, Any]]) -> None:
         """D (main, the receives handed over this step, before vLLM queues them for the
