@@ -69,3 +69,16 @@ def test_the_known_exceptions_are_still_there() -> None:
 ])
 def test_imports_are_read_wherever_they_are(source: str, found: set[str]) -> None:
     assert imported(source) == found
+
+
+@pytest.mark.parametrize("below", ["connector/settings.py", "connector/vocabulary.py", "connector/integrity",
+                                   "connector/state", "connector/telemetry"])
+def test_what_sits_below_the_vllm_glue_imports_none_of_it(below: str) -> None:
+    """Settings, the vocabulary, the KV check's parts, the state owners and the telemetry
+    are what the glue (connector/glue: vLLM's subclasses) is built on: no arrow back up."""
+    root = REPO / below
+    paths = [root] if root.is_file() else sorted(root.rglob("*.py"))
+    bad = {p.relative_to(REPO).as_posix(): sorted(m for m in imported(p.read_text())
+                                                 if m == "connector.glue" or m.startswith("connector.glue."))
+           for p in paths}
+    assert {k: v for k, v in bad.items() if v} == {}
