@@ -10,7 +10,9 @@ row, panel or query of the Grafana one, when a panel or
 rule selects a metric, label or label value the vocabulary does not define, when a
 metric of the vocabulary is on no panel, when a panel lacks a unit or a description
 naming its metrics, when a rate does not use `$__rate_interval` or a range panel uses
-`increase()`, and when a telemetry-error reason has no text for docs/telemetry.md.
+`increase()`, when a telemetry-error reason has no text for docs/telemetry.md, and when
+an alert has no section in docs/runbooks.md or no `runbook_url` to it, or a section
+names a metric, label value, panel or row that does not exist (runbooks.py).
 Which module does what: panels.py (dashboard), perses.py (the same for Perses),
 perses_schema.py (our transcription of Perses' schema), rules.py (rules), k8s.py (YAML and the Kubernetes
 objects), telemetry_doc.py (the doc), check.py (the checks).
@@ -23,16 +25,16 @@ import json
 import sys
 from pathlib import Path
 
-from dashboards import check, k8s, panels, perses, rules, telemetry_doc
+from dashboards import check, k8s, panels, perses, rules, runbooks, telemetry_doc
 from dashboards.queries import all_specs
 
 ROOT = Path(__file__).resolve().parent
 
 
-def render_all() -> dict[str, str]:
+def render_all(runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> dict[str, str]:
     """Relative path under dashboards/ -> file text, for every generated file there."""
     dashboard_json = json.dumps(panels.build_dashboard(), indent=2) + "\n"
-    rule_groups = rules.build_rules()
+    rule_groups = rules.build_rules(runbook_base_url)
     return {
         panels.DASHBOARD_FILE: dashboard_json,
         rules.RULES_FILE: k8s.HEADER + k8s.to_yaml(rule_groups),
@@ -42,32 +44,38 @@ def render_all() -> dict[str, str]:
     }
 
 
-def _outputs(root: Path, doc: Path) -> dict[Path, str]:
-    out = {root / rel: text for rel, text in render_all().items()}
+def _outputs(root: Path, doc: Path, runbook_base_url: str) -> dict[Path, str]:
+    out = {root / rel: text for rel, text in render_all(runbook_base_url).items()}
     out[doc] = telemetry_doc.render()
     return out
 
 
-def generated_errors() -> list[str]:
-    """Problems of what the generator renders (checked before anything is written)."""
+def generated_errors(runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> list[str]:
+    """Problems of what the generator renders (checked before anything is written),
+    the runbooks included (a section per alert, naming only what exists)."""
     dashboard = panels.build_dashboard()
+    rule_groups = rules.build_rules(runbook_base_url)
     return (check.check_dashboard(dashboard) + check.check_conventions(dashboard)
             + check.check_perses(dashboard, [perses.build_dashboard(dashboard),
                                              perses.build_operator_resource(dashboard)])
-            + check.check_rules(rules.build_rules()) + telemetry_doc.missing_texts())
+            + check.check_rules(rule_groups) + telemetry_doc.missing_texts()
+            + runbooks.check_runbooks(rule_groups, dashboard, runbooks.RUNBOOKS_FILE.read_text(),
+                                      runbook_base_url))
 
 
-def check_all(root: Path, doc: Path) -> list[str]:
+def check_all(root: Path, doc: Path, runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> list[str]:
     """Every problem `--check` reports: the generated artefacts' own checks first, then
     the files on disk (stale, missing, or hand-edited with unknown names)."""
-    return generated_errors() or (check.check_files(root, render_all())
-                                  + check.stale(f"{doc.name} ({doc})", doc, telemetry_doc.render()))
+    return generated_errors(runbook_base_url) or (
+        check.check_files(root, render_all(runbook_base_url))
+        + check.stale(f"{doc.name} ({doc})", doc, telemetry_doc.render()))
 
 
-def write_files(root: Path, doc: Path = telemetry_doc.DOC_FILE) -> list[Path]:
+def write_files(root: Path, doc: Path = telemetry_doc.DOC_FILE,
+                runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> list[Path]:
     """Write what changed; returns the paths written."""
     written = []
-    for path, text in _outputs(root, doc).items():
+    for path, text in _outputs(root, doc, runbook_base_url).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
@@ -84,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="directory holding grafana/, rules/ and k8s/ (default: this package)")
     parser.add_argument("--doc", type=Path, default=telemetry_doc.DOC_FILE,
                         help="path of the telemetry reference (default: docs/telemetry.md)")
+    parser.add_argument("--runbook-base-url", default=runbooks.DEFAULT_BASE_URL,
+                        help="where docs/runbooks.md is served: each alert's runbook_url is this plus "
+                             f"#<alert> (default: {runbooks.DEFAULT_BASE_URL}, relative to the repository)")
     args = parser.parse_args(argv)
-    errors = check_all(args.root, args.doc) if args.check else generated_errors()
+    base = args.runbook_base_url
+    errors = check_all(args.root, args.doc, base) if args.check else generated_errors(base)
     if errors:
         print(f"dashboards check FAILED ({len(errors)} problem(s)):", file=sys.stderr)
         for error in errors:
@@ -95,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dashboards check OK: {', '.join(render_all())} and {args.doc.name} up to date; every "
               f"query uses vocabulary names and all {len(all_specs())} metrics are on a panel")
         return 0
-    for path in write_files(args.root, args.doc):
+    for path in write_files(args.root, args.doc, base):
         print(f"wrote {path}")
     return 0
 

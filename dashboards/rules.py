@@ -10,6 +10,7 @@ from typing import Any
 
 from connector import vocabulary as V
 from connector.vocabulary import Label
+from dashboards import runbooks
 from dashboards.queries import (
     D_TO_P,
     FAILURE,
@@ -230,8 +231,9 @@ def _ttft_alerts() -> list[dict[str, Any]]:
     ]
 
 
-def build_rules() -> dict[str, Any]:
-    """The rule groups: recording rules, then alerts (one per engine: `INSTANCE`)."""
+def build_rules(runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> dict[str, Any]:
+    """The rule groups: recording rules, then alerts (one per engine: `INSTANCE`), each
+    alert with a `runbook_url` to its section of docs/runbooks.md under `runbook_base_url`."""
     dur_count, hs_total = hcount(V.HANDSHAKE_DURATION), total(V.HANDSHAKES)
 
     full_d_to_p = s(hs_total, D_TO_P, FULL)
@@ -366,6 +368,8 @@ def build_rules() -> dict[str, Any]:
         *_router_alerts(),
         *_ttft_alerts(),
     ]
+    for alert in alerts:
+        alert["annotations"]["runbook_url"] = runbooks.link(alert["alert"], runbook_base_url)
     return {"groups": [
         {"name": "nixl-push.recording", "rules": recording},
         {"name": "nixl-push.alerts", "rules": alerts},
