@@ -118,7 +118,8 @@ def _check_panel(panel: dict[str, Any], headline: bool) -> tuple[list[str], set[
         with contextlib.suppress(promql.PromQLError):  # already reported by check_expr
             names = promql.metric_names(expr)
             shown |= {index[n].name for n in names if n in index}
-            if names & panels.EXEMPLAR_BUCKETS:
+            if names & panels.EXEMPLAR_BUCKETS and not t.get("instant"):
+                # (an instant stat has no points to hang an exemplar on: only series do)
                 wants_exemplars = True
                 if not t.get("exemplar"):
                     errors.append(f"{query}: latency histogram without exemplars")

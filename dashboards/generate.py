@@ -25,16 +25,16 @@ import json
 import sys
 from pathlib import Path
 
-from dashboards import check, k8s, panels, perses, rules, runbooks, telemetry_doc
+from dashboards import check, k8s, panels, perses, rules, runbooks, slo, telemetry_doc
 from dashboards.queries import all_specs
 
 ROOT = Path(__file__).resolve().parent
 
 
-def render_all(runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> dict[str, str]:
+def render_all(settings: rules.RuleSettings = rules.DEFAULT_SETTINGS) -> dict[str, str]:
     """Relative path under dashboards/ -> file text, for every generated file there."""
     dashboard_json = json.dumps(panels.build_dashboard(), indent=2) + "\n"
-    rule_groups = rules.build_rules(runbook_base_url)
+    rule_groups = rules.build_rules(settings)
     return {
         panels.DASHBOARD_FILE: dashboard_json,
         rules.RULES_FILE: k8s.HEADER + k8s.to_yaml(rule_groups),
@@ -44,38 +44,39 @@ def render_all(runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> dict[str, s
     }
 
 
-def _outputs(root: Path, doc: Path, runbook_base_url: str) -> dict[Path, str]:
-    out = {root / rel: text for rel, text in render_all(runbook_base_url).items()}
+def _outputs(root: Path, doc: Path, settings: rules.RuleSettings) -> dict[Path, str]:
+    out = {root / rel: text for rel, text in render_all(settings).items()}
     out[doc] = telemetry_doc.render()
     return out
 
 
-def generated_errors(runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> list[str]:
+def generated_errors(settings: rules.RuleSettings = rules.DEFAULT_SETTINGS) -> list[str]:
     """Problems of what the generator renders (checked before anything is written),
     the runbooks included (a section per alert, naming only what exists)."""
     dashboard = panels.build_dashboard()
-    rule_groups = rules.build_rules(runbook_base_url)
+    rule_groups = rules.build_rules(settings)
     return (check.check_dashboard(dashboard) + check.check_conventions(dashboard)
             + check.check_perses(dashboard, [perses.build_dashboard(dashboard),
                                              perses.build_operator_resource(dashboard)])
             + check.check_rules(rule_groups) + telemetry_doc.missing_texts()
             + runbooks.check_runbooks(rule_groups, dashboard, runbooks.RUNBOOKS_FILE.read_text(),
-                                      runbook_base_url))
+                                      settings.runbook_base_url)
+            + slo.OBJECTIVES.errors())
 
 
-def check_all(root: Path, doc: Path, runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> list[str]:
+def check_all(root: Path, doc: Path, settings: rules.RuleSettings = rules.DEFAULT_SETTINGS) -> list[str]:
     """Every problem `--check` reports: the generated artefacts' own checks first, then
     the files on disk (stale, missing, or hand-edited with unknown names)."""
-    return generated_errors(runbook_base_url) or (
-        check.check_files(root, render_all(runbook_base_url))
+    return generated_errors(settings) or (
+        check.check_files(root, render_all(settings))
         + check.stale(f"{doc.name} ({doc})", doc, telemetry_doc.render()))
 
 
 def write_files(root: Path, doc: Path = telemetry_doc.DOC_FILE,
-                runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> list[Path]:
+                settings: rules.RuleSettings = rules.DEFAULT_SETTINGS) -> list[Path]:
     """Write what changed; returns the paths written."""
     written = []
-    for path, text in _outputs(root, doc, runbook_base_url).items():
+    for path, text in _outputs(root, doc, settings).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where docs/runbooks.md is served: each alert's runbook_url is this plus "
                              f"#<alert> (default: {runbooks.DEFAULT_BASE_URL}, relative to the repository)")
     args = parser.parse_args(argv)
-    base = args.runbook_base_url
+    base = rules.RuleSettings(args.runbook_base_url)
     errors = check_all(args.root, args.doc, base) if args.check else generated_errors(base)
     if errors:
         print(f"dashboards check FAILED ({len(errors)} problem(s)):", file=sys.stderr)

@@ -15,13 +15,14 @@ from typing import Any
 
 from connector import vocabulary as V
 from connector.vocabulary import Label, MetricKind, MetricSpec, RouterLabel
-from dashboards import promql, rules
+from dashboards import promql, rules, slo
 from dashboards.queries import (
     D_TO_P,
     FAILURE,
     FLAVOR,
     FULL,
     LEG_OK,
+    NOT_SUCCESS,
     NOTIF_ONLY,
     QUEUE_WAIT,
     RATE,
@@ -632,6 +633,39 @@ def _push_state() -> list[Cell]:
     ]
 
 
+def budget_left(error_ratio: str, objective: float) -> str:
+    """The share of an SLO's error budget left over the range: 1 - error ratio / budget."""
+    return f"1 - ({error_ratio}) * {1 / (1 - objective):.6g}"
+
+
+def _service_levels() -> list[Cell]:
+    """The SLOs' error budgets left over the dashboard range (dashboards/slo.py)."""
+    obj = slo.OBJECTIVES
+    count, waits = hcount(V.RECEIVE_DURATION), hcount(V.KV_WAIT)
+    in_time = sel(bucket(V.KV_WAIT), RECEIVE_SUCCESS, f'le="{obj.kv_wait_threshold_s:g}"')
+    delivery = f"{changed(count, NOT_SUCCESS)} / ({changed(count)} > 0)"
+    late = (f"({changed(waits, RECEIVE_SUCCESS)} - sum({range_change(in_time)})) / "
+            f"({changed(waits, RECEIVE_SUCCESS)} > 0)")
+    steps = thresholds(("red", None), ("orange", 0), ("green", 0.25))
+    note = (" Set the dashboard range to the SLO period (30 days); below 0 the objective is missed. The "
+            "burn-rate alerts: docs/runbooks.md.")
+    return [
+        Cell(stat("KV delivery error budget left (range)",
+                  f"Objective: {obj.kv_delivery:.4g} of remote-prefill requests get their KV over NIXL. "
+                  "The share of the error budget left over the range: 1 - (receives that did not succeed "
+                  f"/ all receives) / {1 - obj.kv_delivery:.4g}, from the exact counter changes." + note,
+                  budget_left(delivery, obj.kv_delivery), "percentunit", steps=steps, no_value="-",
+                  decimals=1), 12, 5),
+        Cell(stat("KV wait error budget left (range)",
+                  f"Objective: {obj.kv_wait:.4g} of the requests whose KV arrived waited at most "
+                  f"{obj.kv_wait_threshold_s:g}s for it from their arrival at the decoder. The share of the "
+                  "error budget left over the range: 1 - (those that waited longer / all whose KV arrived) "
+                  f"/ {1 - obj.kv_wait:.4g}." + note,
+                  budget_left(late, obj.kv_wait), "percentunit", steps=steps, no_value="-",
+                  decimals=1), 12, 5),
+    ]
+
+
 def _reliability() -> list[Cell]:
     in_flight, oldest = gauge(V.HANDSHAKES_IN_FLIGHT), gauge(V.HANDSHAKE_OLDEST_IN_FLIGHT)
     retries, rejected = total(V.HANDSHAKE_RETRIES), total(V.PUSH_REG_REJECTED)
@@ -815,6 +849,7 @@ ROUTER_ROW = "Router (requires python -m connector.router)"
 STOCK_ROW = "NIXL transfers (requires NixlConnector)"
 ROWS: tuple[tuple[str, bool, Callable[[], list[Cell]]], ...] = (
     ("Overview", False, _overview),
+    ("Service levels", False, _service_levels),
     (TTFT_ROW, False, _ttft),
     ("Handshakes", False, _handshakes),
     ("Descriptor registrations", False, _descriptors),

@@ -6,11 +6,12 @@ dashboards/rules/nixl-push.rules.test.yaml tests each alert firing and quiet.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from connector import vocabulary as V
 from connector.vocabulary import Label
-from dashboards import runbooks
+from dashboards import runbooks, slo
 from dashboards.queries import (
     D_TO_P,
     FAILURE,
@@ -231,9 +232,20 @@ def _ttft_alerts() -> list[dict[str, Any]]:
     ]
 
 
-def build_rules(runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> dict[str, Any]:
-    """The rule groups: recording rules, then alerts (one per engine: `INSTANCE`), each
-    alert with a `runbook_url` to its section of docs/runbooks.md under `runbook_base_url`."""
+@dataclass(frozen=True)
+class RuleSettings:
+    """What a deployment may set when it generates its rules (`python -m dashboards.generate`)."""
+
+    runbook_base_url: str = runbooks.DEFAULT_BASE_URL
+
+
+DEFAULT_SETTINGS = RuleSettings()
+
+
+def build_rules(settings: RuleSettings = DEFAULT_SETTINGS) -> dict[str, Any]:
+    """The rule groups: recording rules, then alerts (one per engine: `INSTANCE`, the SLO
+    burn rates per served model), each alert with a `runbook_url` to its section of
+    docs/runbooks.md under the settings' base URL."""
     dur_count, hs_total = hcount(V.HANDSHAKE_DURATION), total(V.HANDSHAKES)
 
     full_d_to_p = s(hs_total, D_TO_P, FULL)
@@ -368,9 +380,11 @@ def build_rules(runbook_base_url: str = runbooks.DEFAULT_BASE_URL) -> dict[str, 
         *_router_alerts(),
         *_ttft_alerts(),
     ]
+    alerts += slo.alerts(slo.OBJECTIVES)
     for alert in alerts:
-        alert["annotations"]["runbook_url"] = runbooks.link(alert["alert"], runbook_base_url)
+        alert["annotations"]["runbook_url"] = runbooks.link(alert["alert"], settings.runbook_base_url)
     return {"groups": [
         {"name": "nixl-push.recording", "rules": recording},
+        {"name": "nixl-push.slo", "rules": slo.recording_rules(slo.OBJECTIVES)},
         {"name": "nixl-push.alerts", "rules": alerts},
     ]}

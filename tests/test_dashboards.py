@@ -447,7 +447,9 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
                       "NixlKvLeaseExpiredWhileWanted", "NixlHeartbeatsMatchNothing", "NixlPeerRestarted",
                       "NixlRemotePrefillWaitingLong", "NixlRouterLegErrorRatioHigh",
                       "NixlPushWriteAbortFailed", "NixlKvWaitShareRising", "NixlInternalError",
-                      "NixlKvIntegrityMismatch"}
+                      "NixlKvIntegrityMismatch", "NixlKvDeliveryErrorBudgetBurn",
+                      "NixlKvDeliveryErrorBudgetSlowBurn", "NixlKvWaitErrorBudgetBurn",
+                      "NixlKvWaitErrorBudgetSlowBurn"}
     assert firing == alerts and quiet == alerts
 
 

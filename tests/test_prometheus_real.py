@@ -297,6 +297,7 @@ def _by(q: PanelQuery, *labels: str) -> dict[tuple[str, ...], float]:
 
 CORE = {
     "D->P handshakes that were notification-only", "Full D->P handshakes",
+    "KV delivery error budget left (range)", "KV wait error budget left (range)",
     "Descriptor registrations saved", "Descriptors saved", "Handshakes/s by direction and flavor",
     "Descriptor registrations saved/s", "Descriptors saved/s", "Descriptors registered vs saved (range)",
     "Descriptor lists prepared/s by full handshakes", "Descriptors registered/s by full handshakes",

@@ -13,7 +13,7 @@ TEXT = runbooks.RUNBOOKS_FILE.read_text()
 
 def _check(rule_groups: dict | None = None, text: str = TEXT,
            base: str = runbooks.DEFAULT_BASE_URL) -> list[str]:
-    built = rule_groups or rules.build_rules(base)
+    built = rule_groups or rules.build_rules(rules.RuleSettings(base))
     return runbooks.check_runbooks(built, panels.build_dashboard(), text, base)
 
 
@@ -32,7 +32,7 @@ def test_every_alert_has_a_section_and_a_link_to_it() -> None:
 
 def test_the_base_url_is_a_setting_of_the_generator(tmp_path) -> None:
     base = "https://runbooks.example/nixl-push.md"
-    built = rules.build_rules(base)
+    built = rules.build_rules(rules.RuleSettings(base))
     assert {a["annotations"]["runbook_url"] for a in _alerts(built)} == \
         {f"{base}#{a['alert'].lower()}" for a in _alerts(built)}
     assert _check(built, base=base) == []
