@@ -51,7 +51,7 @@ ENGINE_COMMAND = ["vllm", "serve"]
 ROUTER_COMMAND = ["python3", "-m", "connector.router"]
 KV_FLAG = "--kv-transfer-config"
 # Kinds kubernetes-validate has schemas for / kinds checked against the Prometheus Operator's CRDs.
-CORE_KINDS = {"ConfigMap", "Service", "Deployment", "StatefulSet"}
+CORE_KINDS = {"ConfigMap", "Service", "Deployment", "StatefulSet", "NetworkPolicy"}
 OPERATOR_KINDS = {"PodMonitor", "PrometheusRule"}
 # Kubernetes versions whose strict schemas every core object must pass.
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
@@ -611,9 +611,76 @@ def _dropped_keys(given: Any, kept: Any, path: str = "") -> Iterator[str]:
 
 
 # ----------------------------------------------------------------------------- all checks
+# ----------------------------------------------------------------------------- the trust boundary
+SCRAPER_LABELS = {"app.kubernetes.io/name": "prometheus"}  # prometheus-operator's Prometheus pods
+Allowed = tuple[str, int, int]  # (who, first port, last port)
+
+
+def _who(peer: Obj, objs: list[Obj]) -> str:
+    """Whom one `from` entry of a NetworkPolicy admits: an engine role, the router, the
+    scraper, or something else (named by its selector)."""
+    pods = peer.get("podSelector", {})
+    if "namespaceSelector" in peer:
+        return "prometheus" if selects(pods, SCRAPER_LABELS) and not peer["namespaceSelector"].get(
+            "matchLabels") else f"other {peer}"
+    for role in KV_ROLES:
+        found = engines(objs, role)
+        if found and selects(pods, pod_labels(found[0])):
+            return role
+    routed = router(objs)
+    return "router" if routed and selects(pods, pod_labels(routed[0])) else f"other {peer}"
+
+
+def allowed_ingress(objs: list[Obj], labels: dict[str, str]) -> set[Allowed] | None:
+    """What the NetworkPolicies selecting pods with `labels` let in (None: none selects
+    them, so everything may)."""
+    policies = [p for p in find(objs, "NetworkPolicy") if "Ingress" in p["spec"].get("policyTypes", [])
+                and selects(p["spec"]["podSelector"], labels)]
+    if not policies:
+        return None
+    return {(_who(peer, objs), port["port"], port.get("endPort", port["port"]))
+            for p in policies for rule in p["spec"].get("ingress", [])
+            for peer in rule.get("from", []) for port in rule.get("ports", [])}
+
+
+def wanted_ingress(objs: list[Obj], role: str) -> set[Allowed]:
+    """What an engine's pods must let in, read from its own manifest: its side channel and
+    UCX range from the other role, its HTTP port from the router and the scraper."""
+    c = main_container(engines(objs, role)[0])
+    variables = env(c)
+    side = int(variables["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    low, high = ucx_port_range(variables["UCX_TCP_PORT_RANGE"])
+    http = int(flag([str(a) for a in c.get("args", [])], "--port") or K8S_HTTP_PORT)
+    peer = next(r for r in KV_ROLES if r != role)
+    return {(peer, side, side), (peer, low, high), ("router", http, http), ("prometheus", http, http)}
+
+
+def network_policy_problems(objs: list[Obj]) -> list[str]:
+    """Each engine role's pods admit exactly what the deployment needs (docs/reliability.md)."""
+    problems: list[str] = []
+    for role in KV_ROLES:
+        found = engines(objs, role)
+        if len(found) != 1:
+            continue  # (engine_problems reports it)
+        try:
+            wanted = wanted_ingress(objs, role)
+        except (KeyError, ValueError, StopIteration):
+            continue  # (engine_problems reports the missing port or range)
+        allowed = allowed_ingress(objs, pod_labels(found[0]))
+        if allowed is None:
+            problems.append(f"no NetworkPolicy selects the {role} pods: anything that reaches them can "
+                            "fetch their NIXL metadata")
+            continue
+        problems += [f"{role} pods: the NetworkPolicies do not let {who} reach port(s) {lo}-{hi}"
+                     for who, lo, hi in sorted(wanted - allowed)]
+        problems += [f"{role} pods: the NetworkPolicies let {who} reach port(s) {lo}-{hi}, which the "
+                     "engines do not use for it" for who, lo, hi in sorted(allowed - wanted)]
+    return problems
+
+
 def overlay_problems(objs: list[Obj]) -> list[str]:
     return (engine_problems(objs) + router_problems(objs) + collector_problems(objs)
-            + monitoring_problems(objs) + schema_problems(objs))
+            + monitoring_problems(objs) + network_policy_problems(objs) + schema_problems(objs))
 
 
 def check(root: Path = ROOT) -> list[str]:

@@ -73,7 +73,8 @@ def test_overlays_exist():
 def test_overlay_renders_and_passes_every_check(overlay):
     objs = rendered(overlay)
     kinds = sorted({o["kind"] for o in objs})
-    assert kinds == ["ConfigMap", "Deployment", "PodMonitor", "PrometheusRule", "Service", "StatefulSet"]
+    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "PodMonitor", "PrometheusRule", "Service",
+                     "StatefulSet"]
     assert render.overlay_problems(objs) == []
 
 
@@ -198,6 +199,51 @@ def test_engine_env_the_connector_needs_is_checked(var, value, expect):
     entry.pop("valueFrom", None)
     entry["value"] = value
     assert any(expect in p and "Deployment/decode" in p for p in render.engine_problems(objs))
+
+
+# ---------------------------------------------------------------------------------- trust boundary
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_let_in_exactly_the_ports_the_engines_use(overlay):
+    objs = rendered(overlay)
+    assert render.network_policy_problems(objs) == []
+    for role, peer in (("prefill", "decode"), ("decode", "prefill")):
+        [workload] = render.engines(objs, role)
+        c = render.main_container(workload)
+        env = render.env(c)
+        side = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        low, high = render.ucx_port_range(env["UCX_TCP_PORT_RANGE"])
+        http = render.container_port(c, "http")
+        assert render.allowed_ingress(objs, render.pod_labels(workload)) == {
+            (peer, side, side), (peer, low, high), ("router", http, http), ("prometheus", http, http)}
+
+
+@pytest.mark.parametrize(("var", "value", "missing", "unused"), [
+    ("VLLM_NIXL_SIDE_CHANNEL_PORT", "5601", "5601-5601", "5600-5600"),
+    ("UCX_TCP_PORT_RANGE", "5800-5899", "5800-5899", "5700-5799"),
+])
+def test_a_port_the_engines_move_fails_the_policy_check(var, value, missing, unused):
+    objs = rendered("1p1d")
+    c = engine_container(objs, "Deployment", "decode")
+    next(e for e in c["env"] if e["name"] == var)["value"] = value
+    assert render.network_policy_problems(objs) == [
+        f"decode pods: the NetworkPolicies do not let prefill reach port(s) {missing}",
+        f"decode pods: the NetworkPolicies let prefill reach port(s) {unused}, which the engines do not use "
+        "for it"]
+
+
+def test_a_missing_policy_or_an_extra_port_fails_the_policy_check():
+    objs = rendered("1p1d")
+    by(objs, "NetworkPolicy", "prefill-ingress")["spec"]["ingress"][1]["ports"].append({"protocol": "TCP",
+                                                                                      "port": 9090})
+    assert render.network_policy_problems(objs) == [
+        "prefill pods: the NetworkPolicies let prometheus reach port(s) 9090-9090, which the engines do not "
+        "use for it",
+        "prefill pods: the NetworkPolicies let router reach port(s) 9090-9090, which the engines do not use "
+        "for it"]
+    objs = [o for o in rendered("1p1d") if o["kind"] != "NetworkPolicy"]
+    assert render.network_policy_problems(objs) == [
+        f"no NetworkPolicy selects the {role} pods: anything that reaches them can fetch their NIXL metadata"
+        for role in ("prefill", "decode")]
 
 
 # ---------------------------------------------------------------------------------------- monitoring
