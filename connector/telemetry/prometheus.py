@@ -114,42 +114,23 @@ class ObservedPromMetrics(NixlPromMetrics):
         self._child(V.PUSH_WRITE_WAIT, idx)
         self._child(V.PUSH_WRITE_DURATION, idx)
         for direction in V.Direction:
-            self._child(V.HANDSHAKE_RETRIES, idx, direction.value)
             self._child(V.HANDSHAKE_OLDEST_IN_FLIGHT, idx, direction.value).set(0)
             for notif in (True, False):
                 self._child(V.HANDSHAKES_IN_FLIGHT, idx, direction.value, bool_label(notif)).set(0)
-        for reason in V.PushRegRejection:
-            self._child(V.PUSH_REG_REJECTED, idx, reason.value)
-        for lost in V.TelemetryError:
-            self._child(V.TELEMETRY_ERRORS, idx, lost.value)
-        for why in V.SideChannelRejection:
-            self._child(V.SIDE_CHANNEL_REJECTED, idx, why.value)
-        for renewal in V.LeaseRenewal:
-            self._child(V.KV_LEASE_RENEWALS, idx, renewal.value)
-        for fate in V.LeaseFate:
-            self._child(V.KV_LEASE_EXPIRIES, idx, fate.value)
+        for _, metric, closed in _LABELLED:  # (one closed label each: every value from 0)
+            for value in closed:
+                self._child(metric, idx, value.value)
         self._child(V.KV_LEASES_REAPED_LATE, idx)
         for outcome in V.NotifOutcome:
             self._child(V.HEARTBEATS, idx, outcome.value)
         for gauge in _SNAPSHOT_GAUGES:
             self._child(gauge, idx).set(0)
         for direction in V.Direction:
-            self._child(V.PEER_RESTARTS, idx, direction.value)
             for reset in V.PeerReset:
                 self._child(V.PEER_RESETS, idx, direction.value, reset.value)
-        for why in V.ReceiveFailure:
-            self._child(V.RECEIVE_FAILURES, idx, why.value)
         for reason in V.PushFailReason:
             for sent in V.PushFailOutcome:
                 self._child(V.PUSH_FAIL_NOTIFS, idx, reason.value, sent.value)
-        for abort in V.WriteAbort:
-            self._child(V.WRITE_ABORTS, idx, abort.value)
-        for why in V.ReceiveAbandon:
-            self._child(V.RECEIVES_ABANDONED, idx, why.value)
-        for direction in V.Direction:
-            self._child(V.PEERS_FORGOTTEN, idx, direction.value)
-        for step in V.InternalStep:
-            self._child(V.INTERNAL_ERRORS, idx, step.value)
         for verdict in V.KvVerifyOutcome:
             for reason in V.KvVerifyReason:
                 self._child(V.KV_VERIFY, idx, verdict.value, reason.value)
