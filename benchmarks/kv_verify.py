@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import BenchRun
-from connector.integrity.digest import digest
+from connector.integrity.digest import digest, layer_digest
 
 BLOCK = 16
 MIB = 1 << 20
@@ -179,9 +179,7 @@ def host_wait(timer: Timer, bench: BenchRun) -> dict[str, Any]:
         torch.cuda._sleep(cycles)  # a long kernel queued on the compute stream
         t = time.perf_counter()
         if read_back_on_compute:
-            from connector.integrity.digest import _layer_totals
-
-            _layer_totals([(0, cache)], ids, 0).cpu()
+            layer_digest(cache, ids, layer=0, head0=0).cpu()
         else:
             digest([(0, cache)], ids, head0=0)
         elapsed = time.perf_counter() - t

@@ -95,15 +95,24 @@ def _position_table(capacity: int, device: torch.device) -> torch.Tensor:
 # enough to stay in a core's L2 cache between the gather and the sums; large enough that
 # the per-chunk calls are a small share of the time.
 CHUNK_BYTES = 2 << 20
-_workspace = threading.local()  # per thread: {device: uint8 buffer of CHUNK_BYTES or more}
+# Per thread (P's push writer and D's main thread digest at once), per device: the gather
+# buffer and, on CUDA, the digest's stream.
+_per_thread = threading.local()
+
+
+def _mine(kind: str) -> dict[torch.device, Any]:
+    """This thread's `kind` objects by device."""
+    table = getattr(_per_thread, kind, None)
+    if table is None:
+        table = {}
+        setattr(_per_thread, kind, table)
+    return table
 
 
 def _buffer(device: torch.device, nbytes: int) -> torch.Tensor:
     """This thread's gather buffer on `device` (allocated once, grown when a block is
     larger than the chunk)."""
-    buffers = getattr(_workspace, "buffers", None)
-    if buffers is None:
-        buffers = _workspace.buffers = {}
+    buffers = _mine("buffers")
     buf = buffers.get(device)
     if buf is None or buf.numel() < nbytes:
         buf = buffers[device] = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8, device=device)
@@ -171,13 +180,8 @@ class Digest:
         return [layer for layer, a, b in zip(self.layers, self.values, other.values, strict=True) if a != b]
 
 
-_streams = threading.local()  # per thread: {CUDA device: the digest's stream}
-
-
 def _side_stream(device: torch.device) -> Any:
-    streams = getattr(_streams, "by_device", None)
-    if streams is None:
-        streams = _streams.by_device = {}
+    streams = _mine("streams")
     stream = streams.get(device)
     if stream is None:
         stream = streams[device] = torch.cuda.Stream(device=device)
