@@ -875,6 +875,60 @@ OBSERVED_DEGRADED = MetricSpec(
     "telemetry may be incomplete or wrong. 0 otherwise.",
 )
 
+# ------------------------------------------------ NIXL's own exporter (the witness)
+# Not in ALL_METRICS: `agent_name` is NIXL's name for a worker's agent (vLLM makes it a
+# random UUID), an open value. One series per worker of the running engine (at most
+# MAX_NIXL_AGENTS per API server), born with the engine and gone with it: an info
+# metric (value 1) whose only job is the join `* on (agent_name) group_left (...)`.
+class AgentLabel:
+    AGENT_NAME = "agent_name"
+    TP_RANK = "tp_rank"
+
+
+NIXL_AGENT_INFO = MetricSpec(
+    "vllm:nixl_push_agent_info",
+    MetricKind.GAUGE,
+    (AgentLabel.AGENT_NAME, AgentLabel.TP_RANK),
+    "1 for each NIXL agent of this engine's workers: joins NIXL's own exporter (labelled by "
+    "agent_name) to this engine's model_name, engine and TP rank.",
+)
+MAX_NIXL_AGENTS = 256  # workers of one API server's engines: past any real TP x PP x DP
+
+# What NIXL's Prometheus exporter serves (ai-dynamo/nixl, src/plugins/telemetry/prometheus and
+# prometheus_mp), as the dashboards and rules read it: scraped as a job of its own, one endpoint
+# per engine. Its labels are NIXL's, not ours: agent_name, hostname (and with prometheus_mp pid,
+# agent_instance, optional local_rank); `status` on errors is NIXL's closed set of error kinds.
+NIXL_JOB = "nixl"
+
+
+class NixlLabel:
+    AGENT_NAME = AgentLabel.AGENT_NAME
+    HOSTNAME = "hostname"
+    STATUS = "status"
+
+
+_NIXL_LABELS = (NixlLabel.AGENT_NAME, NixlLabel.HOSTNAME)
+NIXL_TX_BYTES = MetricSpec("agent_tx_bytes", MetricKind.COUNTER, _NIXL_LABELS,
+                           "NIXL: bytes this agent's transfers sent (a WRITE's bytes).", "bytes")
+NIXL_TX_REQUESTS = MetricSpec("agent_tx_requests_num", MetricKind.COUNTER, _NIXL_LABELS,
+                              "NIXL: transfer requests this agent posted.")
+NIXL_XFER_TIME = MetricSpec("agent_xfer_time_us", MetricKind.HISTOGRAM, _NIXL_LABELS,
+                            "NIXL: transfer time, post to completion (microseconds).", "us")
+NIXL_POST_TIME = MetricSpec("agent_xfer_post_time_us", MetricKind.HISTOGRAM, _NIXL_LABELS,
+                            "NIXL: time to post a transfer (microseconds).", "us")
+NIXL_MEMORY_REGISTERED = MetricSpec("agent_memory_registered", MetricKind.COUNTER, _NIXL_LABELS,
+                                    "NIXL: bytes of memory this agent registered.", "bytes")
+NIXL_ERRORS = MetricSpec("agent_errors", MetricKind.COUNTER, (*_NIXL_LABELS, NixlLabel.STATUS),
+                         "NIXL: errors by status.")
+NIXL_EVENTS_DROPPED = MetricSpec("agent_telemetry_events_dropped", MetricKind.COUNTER, _NIXL_LABELS,
+                                 "NIXL: telemetry events its exporter dropped (its counts undercount).")
+NIXL_TX_LAST_BYTES = "agent_tx_last_bytes"  # (a gauge: the latest transfer's bytes; the demo and tests)
+NIXL_EXPORTER_METRICS: tuple[MetricSpec, ...] = (
+    NIXL_TX_BYTES, NIXL_TX_REQUESTS, NIXL_XFER_TIME, NIXL_POST_TIME, NIXL_MEMORY_REGISTERED,
+    NIXL_ERRORS, NIXL_EVENTS_DROPPED)
+VLLM_BYTES_TRANSFERRED_SUM = "vllm:nixl_bytes_transferred_sum"
+VLLM_TRANSFERS_COUNT = "vllm:nixl_bytes_transferred_count"
+
 # Histograms whose observations carry a trace-id exemplar when tracing is on.
 EXEMPLAR_METRICS: tuple[MetricSpec, ...] = (HANDSHAKE_DURATION, HANDSHAKE_PHASE_DURATION,
                                             RECEIVE_DURATION, KV_WAIT, PUSH_WRITE_WAIT,
@@ -926,11 +980,15 @@ def series_bound(metrics: tuple[MetricSpec, ...] = ALL_METRICS) -> int:
 # vLLM's count of the leases it released (its reaper; the fork's by fate is KV_LEASE_EXPIRIES).
 VLLM_KV_EXPIRED = MetricSpec("vllm:nixl_num_kv_expired_reqs", MetricKind.COUNTER, (),
                              "Requests whose KV lease expired.")
+# vLLM's per-transfer telemetry of each WRITE, counted when vLLM sees the transfer done: what
+# the witness compares with NIXL's own agent counters (NIXL_TX_BYTES, NIXL_TX_REQUESTS).
+VLLM_BYTES_TRANSFERRED = MetricSpec("vllm:nixl_bytes_transferred", MetricKind.HISTOGRAM, (),
+                                    "Bytes per NIXL transfer.", "bytes")
 # Stock vLLM NIXL metrics we keep emitting unchanged (dashboards may query them).
 STOCK_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("vllm:nixl_xfer_time_seconds", MetricKind.HISTOGRAM, (), "NIXL transfer duration.", "s"),
     MetricSpec("vllm:nixl_post_time_seconds", MetricKind.HISTOGRAM, (), "NIXL transfer post time.", "s"),
-    MetricSpec("vllm:nixl_bytes_transferred", MetricKind.HISTOGRAM, (), "Bytes per NIXL transfer.", "bytes"),
+    VLLM_BYTES_TRANSFERRED,
     MetricSpec("vllm:nixl_num_descriptors", MetricKind.HISTOGRAM, (), "Descriptors per NIXL transfer."),
     MetricSpec("vllm:nixl_num_failed_transfers", MetricKind.COUNTER, (), "Failed NIXL transfers."),
     MetricSpec("vllm:nixl_num_failed_notifications", MetricKind.COUNTER, (), "Failed NIXL notifications."),
@@ -1004,6 +1062,8 @@ class StatKey:
     KV_MISMATCH_FROM = "kv_mismatch_from"
     PREFILL_RESTARTED = "prefill_restarted"
     KV_DIGEST_SECONDS = "kv_digest_seconds"  # list of seconds
+    # A worker's NIXL agent, on its first interval and then once a minute: [[tp_rank, agent_name]]
+    NIXL_AGENTS = "nixl_agents"
 
 
 OUR_STAT_KEYS = (
@@ -1039,6 +1099,7 @@ OUR_STAT_KEYS = (
     StatKey.KV_DIGEST_SECONDS,
     StatKey.KV_MISMATCH_FROM,
     StatKey.PREFILL_RESTARTED,
+    StatKey.NIXL_AGENTS,
 )
 
 # What a fork decoder adds to its PUSH_REG and heartbeats (a stock prefill ignores it):

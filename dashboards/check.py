@@ -34,6 +34,9 @@ from dashboards.queries import (
 from dashboards.rules import RULES_FILE
 
 VOCAB_LABELS = frozenset(V.LABEL_VALUES)
+# NIXL's exporter's labels and the agent info's (open values: never matched by value).
+JOIN_LABELS = frozenset({V.AgentLabel.AGENT_NAME, V.AgentLabel.TP_RANK, V.NixlLabel.HOSTNAME,
+                         V.NixlLabel.STATUS})
 
 
 def _value_errors(where: str, metric: str, label: str, op: str, value: str,
@@ -63,7 +66,7 @@ def check_expr(expr: str, where: str, *, allow_variables: bool,
         return [f"{where}: {exc}"]
     errors = [f"{where}: metric {name!r} is not defined in connector.vocabulary "
               "(ALL_METRICS or STOCK_METRICS)" for name in sorted(names - index.keys() - recorded)]
-    all_labels = BASE_LABELS | VOCAB_LABELS | {"le"}
+    all_labels = BASE_LABELS | VOCAB_LABELS | JOIN_LABELS | {"le"}
     for m in promql.matchers(expr):
         spec = index.get(m.metric)
         if spec is not None:

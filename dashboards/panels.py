@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector import vocabulary as V
-from connector.vocabulary import Label, MetricKind, MetricSpec, RouterLabel
-from dashboards import promql, rules, slo
+from connector.vocabulary import AgentLabel, Label, MetricKind, MetricSpec, RouterLabel
+from dashboards import promql, rules, slo, witness
 from dashboards.queries import (
     D_TO_P,
     FAILURE,
@@ -666,6 +666,79 @@ def _service_levels() -> list[Cell]:
     ]
 
 
+def _by_engine(expr: str, *labels: str) -> str:
+    """NIXL's series `expr`, summed per engine (and `labels`) through the agent info join."""
+    return f"sum {by('instance', *labels)} (" + witness.joined(expr, scoped=True) + ")"
+
+
+def _nixl_quantile(q: float, spec: MetricSpec) -> str:
+    """A quantile of one of NIXL's histograms (microseconds) per engine."""
+    inner = _by_engine(f"rate({sel(bucket(spec))}[{RATE}])", "le")
+    return f"histogram_quantile({q}, {inner}) >= 0"
+
+
+def _nixl_agents() -> list[Cell]:
+    """NIXL's own exporter, joined to the engines (docs/telemetry.md "NIXL's own counters")."""
+    ours = V.VLLM_BYTES_TRANSFERRED
+    join = ("Each NIXL series gets its engine from vllm:nixl_push_agent_info (one per worker, "
+            "value 1): `* on (agent_name) group_left (instance, model_name, engine, tp_rank)`.")
+    nixl_changed = ("sum(" + witness.joined(range_change(sel(total(V.NIXL_TX_BYTES))), scoped=True)
+                    + ")")
+    return [
+        Cell(timeseries("Bytes sent/s: NIXL's count and the engine's",
+                        "Per engine: the bytes NIXL's own exporter counts for its agents' transfers "
+                        "(agent_tx_bytes_total) and those the engine reports (vLLM's per-transfer "
+                        f"{ours.name}). The two lines lie on each other; where they part, one count "
+                        "is wrong (alert NixlTelemetryDisagrees). " + join,
+                        [target(_by_engine(f"rate({sel(total(V.NIXL_TX_BYTES))}[{RATE}])"),
+                                "NIXL {{instance}}"),
+                         target(f"sum by (instance) (rate({sel(hsum(ours))}[{RATE}]))",
+                                "engine {{instance}}")],
+                        "Bps"), 12, 8),
+        Cell(timeseries("Transfers/s: NIXL's requests and the engine's WRITEs",
+                        "Per engine: transfer requests NIXL's agents posted (agent_tx_requests_num_total) "
+                        f"and WRITEs the engine saw done ({ours.name}_count). One WRITE is one NIXL "
+                        "request per remote rank. " + join,
+                        [target(_by_engine(f"rate({sel(total(V.NIXL_TX_REQUESTS))}[{RATE}])"),
+                                "NIXL {{instance}}"),
+                         target(f"sum by (instance) (rate({sel(hcount(ours))}[{RATE}]))",
+                                "engine {{instance}}")],
+                        "suffix: transfers/s"), 12, 8),
+        Cell(timeseries("NIXL agents' transfer and post time p50 / p99",
+                        "NIXL's own histograms of a transfer's time from post to completion "
+                        f"({V.NIXL_XFER_TIME.name}) and of posting it ({V.NIXL_POST_TIME.name}), per "
+                        "engine, in microseconds; idle windows dropped with `>= 0`. " + join,
+                        [target(_nixl_quantile(0.5, V.NIXL_XFER_TIME), "transfer p50 {{instance}}"),
+                         target(_nixl_quantile(0.99, V.NIXL_XFER_TIME), "transfer p99 {{instance}}"),
+                         target(_nixl_quantile(0.99, V.NIXL_POST_TIME), "post p99 {{instance}}")],
+                        "µs"), 8, 8),
+        Cell(timeseries("NIXL memory registered",
+                        "Bytes of memory each worker's agent registered with NIXL "
+                        f"({total(V.NIXL_MEMORY_REGISTERED)}): its KV cache, once at start-up. " + join,
+                        [target(_by_engine(sel(total(V.NIXL_MEMORY_REGISTERED)), AgentLabel.TP_RANK),
+                                "{{instance}} rank {{tp_rank}}")],
+                        "bytes"), 8, 8),
+        Cell(timeseries("NIXL errors/s by status",
+                        f"Errors NIXL's agents counted ({total(V.NIXL_ERRORS)}), per engine and NIXL "
+                        "status. " + join,
+                        [target(_by_engine(f"rate({sel(total(V.NIXL_ERRORS))}[{RATE}])", V.NixlLabel.STATUS),
+                                "{{instance}} {{status}}")],
+                        "suffix: errors/s"), 8, 8),
+        Cell(count_stat("Engine bytes minus NIXL's (range)",
+                        f"The exact change over the range of the engines' {hsum(ours)} minus that of "
+                        "NIXL's agent_tx_bytes_total for the same agents: 0 when the two agree (a WRITE "
+                        "or two in flight at the range's edges aside). " + join,
+                        f"sum({range_change(sel(hsum(ours)))}) - {nixl_changed}",
+                        bad_from=None), 12, 5),
+        Cell(count_stat("NIXL telemetry events dropped (range)",
+                        "Events NIXL's exporter dropped before counting them "
+                        f"({total(V.NIXL_EVENTS_DROPPED)}), exact change over the range: above 0, "
+                        "NIXL's counts undercount and the comparison above means less. " + join,
+                        "sum(" + witness.joined(range_change(sel(total(V.NIXL_EVENTS_DROPPED))),
+                                                scoped=True) + ")", bad_from=1), 12, 5),
+    ]
+
+
 def _reliability() -> list[Cell]:
     in_flight, oldest = gauge(V.HANDSHAKES_IN_FLIGHT), gauge(V.HANDSHAKE_OLDEST_IN_FLIGHT)
     retries, rejected = total(V.HANDSHAKE_RETRIES), total(V.PUSH_REG_REJECTED)
@@ -847,6 +920,7 @@ def _router() -> list[Cell]:
 # section titled "... (requires ...)". dashboards/perses.py renders the same rows for Perses.
 ROUTER_ROW = "Router (requires python -m connector.router)"
 STOCK_ROW = "NIXL transfers (requires NixlConnector)"
+NIXL_AGENTS_ROW = "NIXL agents (NIXL's own counters)"
 ROWS: tuple[tuple[str, bool, Callable[[], list[Cell]]], ...] = (
     ("Overview", False, _overview),
     ("Service levels", False, _service_levels),
@@ -856,6 +930,7 @@ ROWS: tuple[tuple[str, bool, Callable[[], list[Cell]]], ...] = (
     ("Latency and executor queue", False, _latency),
     ("Failures", False, _failures),
     ("Push flow", False, _push_flow),
+    (NIXL_AGENTS_ROW, False, _nixl_agents),
     ("KV leases", False, _leases),
     ("Peers", False, _peers),
     ("Push state", False, _push_state),

@@ -30,8 +30,9 @@ FLAVOR = (Label.DIRECTION, Label.NOTIF_AGENTS_ONLY)
 
 def all_specs() -> tuple[MetricSpec, ...]:
     """Every metric a query may select: ours, the stock vLLM NIXL metrics we keep, vLLM's
-    TTFT, the router's."""
-    return V.ALL_METRICS + V.STOCK_METRICS + V.VLLM_REQUEST_METRICS + V.ROUTER_METRICS
+    TTFT, the router's, NIXL's own exporter's and the info metric that joins it to ours."""
+    return (V.ALL_METRICS + V.STOCK_METRICS + V.VLLM_REQUEST_METRICS + V.ROUTER_METRICS
+            + (V.NIXL_AGENT_INFO,) + V.NIXL_EXPORTER_METRICS)
 
 
 def series_index() -> dict[str, MetricSpec]:
@@ -43,14 +44,22 @@ def is_router(spec: MetricSpec) -> bool:
     return spec in V.ROUTER_METRICS
 
 
+def is_nixl_exporter(spec: MetricSpec) -> bool:
+    """NIXL's own series: another scrape target, reached through the agent info join."""
+    return spec in V.NIXL_EXPORTER_METRICS
+
+
 def base_labels(spec: MetricSpec | None) -> frozenset[str]:
     """Labels a series has besides its vocabulary labels (None: any series, engine or router)."""
-    return TARGET_LABELS if spec is not None and is_router(spec) else BASE_LABELS
+    return TARGET_LABELS if spec is not None and (is_router(spec) or is_nixl_exporter(spec)) \
+        else BASE_LABELS
 
 
 def scope_of(series: str) -> tuple[str, ...]:
     """The dashboard-variable matchers a series can be scoped by."""
     spec = series_index().get(series)
+    if spec is not None and is_nixl_exporter(spec):
+        return ()  # (scoped by the join to the engine's agent info, which is)
     return TARGET_SCOPE if spec is not None and is_router(spec) else SCOPE
 
 

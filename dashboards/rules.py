@@ -11,7 +11,7 @@ from typing import Any
 
 from connector import vocabulary as V
 from connector.vocabulary import Label
-from dashboards import runbooks, slo
+from dashboards import runbooks, slo, witness
 from dashboards.queries import (
     D_TO_P,
     FAILURE,
@@ -273,6 +273,7 @@ def build_rules(settings: RuleSettings = DEFAULT_SETTINGS) -> dict[str, Any]:
                  f"(sum {by(*INSTANCE)} (rate({hsum(V.VLLM_TTFT)}[5m])) > 0)"},
         {"record": "instance:vllm_nixl_descriptors_saved:rate5m",
          "expr": f"sum {by(*INSTANCE, Label.DIRECTION)} (\n  rate({total(V.DESCRIPTORS_SAVED)}[5m])\n)"},
+        *witness.recording_rules(),
     ]
     win = FULL_D_TO_P_WINDOW
     alerts = [
@@ -380,6 +381,7 @@ def build_rules(settings: RuleSettings = DEFAULT_SETTINGS) -> dict[str, Any]:
         *_router_alerts(),
         *_ttft_alerts(),
     ]
+    alerts += witness.alerts()
     alerts += slo.alerts(slo.OBJECTIVES)
     for alert in alerts:
         alert["annotations"]["runbook_url"] = runbooks.link(alert["alert"], settings.runbook_base_url)

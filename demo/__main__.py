@@ -121,6 +121,14 @@ def run(stack: Stack, args: argparse.Namespace, clock: Clock) -> int:
         source, lines = report.phase_lines(stack.spans(), prom, JOB)
         section(f"Handshake phases ({source})", lines)
     section("KV pushes", report.push_lines(p_data, d_data, outcomes))
+    if fork:
+        lines = []
+        for tag, server in (("P", stack.prefill), ("D", stack.decode)):
+            seen = report.wait_witness(server)
+            lines.append(seen.line(tag))
+            failed += not seen.agrees()
+        section("NIXL's own counters beside the engines' (NIXL's exporter, joined by "
+                "vllm:nixl_push_agent_info)", lines)
     router, router_failed = report.router_lines(report.samples(stack.router.metrics()), prom, ROUTER_JOB,
                                                 sent=len(outcomes))
     failed += router_failed

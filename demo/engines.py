@@ -176,6 +176,20 @@ def serve_args(model: str, kv: dict[str, Any], *, served_model_name: str = SERVE
     return args
 
 
+def nixl_exporter_env(port: int, multiproc_dir: str, *, local: bool) -> dict[str, str]:
+    """NIXL's own Prometheus exporter in every worker of an engine: the multi-process
+    plugin (one endpoint for all TP ranks, each rank its own series), on a port of its
+    own (never NIXL's default 9090, Prometheus's), writing its per-process stores to
+    `multiproc_dir` (private to the engine; an emptyDir in deploy/). `local`: listen on
+    127.0.0.1 only (the loopback demo); else on every address of the host or pod.
+
+    One definition for the demo and the Kubernetes manifests (tests/test_deploy.py)."""
+    return {"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "prometheus_mp",
+            "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
+            "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y" if local else "n",
+            "NIXL_TELEMETRY_MULTIPROC_DIR": multiproc_dir}
+
+
 # vLLM's NIXL worker logs what a full handshake prepares ("Created N blocks for dst engine
 # E ...") at DEBUG only: this logging config turns that one logger on, so a stock engine's
 # log says how many descriptors it prepared (independently of our telemetry).
@@ -210,11 +224,13 @@ class VllmServer(Process):
                  kv_overrides: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None,
                  host: Host | None = None, extra_args: Sequence[str] = (),
                  model_flags: Sequence[str] = DEMO_MODEL_FLAGS, port: int | None = None,
-                 side_channel_port: int | None = None, log_name: str | None = None):
+                 side_channel_port: int | None = None, nixl_metrics_port: int | None = None,
+                 log_name: str | None = None):
         self.host = host
         self.address = host.address if host is not None else LOOPBACK
         self.port = port or free_port()
         self.side_channel_port = side_channel_port or free_port()
+        self.nixl_metrics_port = nixl_metrics_port or free_port()
         self.engine_id = engine_id
         self.model = SERVED_MODEL
         shim = write_dist_shim(workdir / "shim")
@@ -234,6 +250,8 @@ class VllmServer(Process):
             # cross-memory attach it would pick for two processes of one machine.
             env["UCX_TLS"] = "tcp"
         env.setdefault("VLLM_CACHE_ROOT", str(workdir / "vllm-cache"))
+        env.update(nixl_exporter_env(self.nixl_metrics_port, str(workdir / f"nixl-metrics-{name}"),
+                                     local=host is None))
         env.update(extra_env or {})
         kv = kv_transfer_config(connector, kv_role, engine_id, progress_delay_us)
         for key, value in (kv_overrides or {}).items():  # (a dict, e.g. the extra config, is merged)
@@ -261,6 +279,16 @@ class VllmServer(Process):
         from connector.router.config import PrefillTarget
 
         return PrefillTarget(self.url, self.engine_id, self.address, self.side_channel_port)
+
+    @property
+    def nixl_metrics_target(self) -> str:
+        """NIXL's own exporter of this engine's workers (`nixl_exporter_env`)."""
+        return f"{self.address}:{self.nixl_metrics_port}"
+
+    def nixl_metrics(self) -> str:
+        """NIXL's exporter's `/metrics` (text format): every worker's agent."""
+        with urllib.request.urlopen(f"http://{self.nixl_metrics_target}/metrics", timeout=30) as resp:
+            return resp.read().decode()
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
         self.wait_http(self.url + "/health", timeout_s)

@@ -26,6 +26,10 @@ from connector.vocabulary import (
     HANDSHAKES,
     KV_DIGEST_DURATION,
     KV_VERIFY,
+    NIXL_AGENT_INFO,
+    NIXL_TX_BYTES,
+    NIXL_TX_LAST_BYTES,
+    NIXL_TX_REQUESTS,
     PUSH_REG_NOTIFS,
     PUSHES,
     ROUTER_LEG_DURATION,
@@ -42,10 +46,12 @@ from connector.vocabulary import (
     TTFT_ROUTER_SHARE_MAX_S,
     TTFT_ROUTER_SHARE_MIN_S,
     TTFT_ROUTER_SHARE_SHARE,
+    VLLM_BYTES_TRANSFERRED,
     VLLM_E2E_ATTR,
     VLLM_EXTERNAL_PROMPT_TOKENS,
     VLLM_REQUEST_SPAN,
     VLLM_TTFT_ATTR,
+    AgentLabel,
     Attr,
     Label,
     LegOutcome,
@@ -101,6 +107,62 @@ def exemplars(openmetrics: str) -> list[tuple[str, dict[str, str], str]]:
         if "trace_id" in ex:
             out.append((m.group("name"), dict(_PAIR.findall(m.group("labels") or "")), ex["trace_id"]))
     return out
+
+
+@dataclass(frozen=True)
+class Witness:
+    """One engine's byte and WRITE counts as its /metrics reports them (vLLM's per-transfer
+    telemetry), beside NIXL's own exporter's for the same agents (joined by the engine's
+    `vllm:nixl_push_agent_info`)."""
+
+    agents: tuple[str, ...]  # the engine's agents, from its info metric
+    engine_bytes: float
+    engine_writes: float
+    nixl_bytes: float
+    nixl_requests: float
+    last_write_bytes: float  # NIXL's size of the agents' latest transfer (agent_tx_last_bytes)
+
+    def agrees(self) -> bool:
+        """Every agent joined, and the two witnesses count the same bytes and transfers."""
+        return bool(self.agents) and (self.engine_bytes, self.engine_writes) == (
+            self.nixl_bytes, self.nixl_requests)
+
+    def line(self, name: str) -> str:
+        verdict = "equal" if self.agrees() else "DIFFERENT"
+        return (f"{name} bytes sent: engine {self.engine_bytes:,.0f} (vllm:nixl_bytes_transferred), NIXL's "
+                f"own exporter {self.nixl_bytes:,.0f} (agent_tx_bytes_total); transfers: engine "
+                f"{self.engine_writes:.0f}, NIXL {self.nixl_requests:.0f}: {verdict} "
+                f"({len(self.agents)} agent(s) joined)")
+
+
+def witness(engine: list[Sample], nixl: list[Sample]) -> Witness:
+    """The witness for one engine from its /metrics and its NIXL exporter's."""
+    agents = tuple(sorted({lab[AgentLabel.AGENT_NAME] for n, lab, v in engine
+                           if n == NIXL_AGENT_INFO.name and v == 1}))
+
+    def nixl_total(name: str) -> float:
+        return sum(v for n, lab, v in nixl if n == name and lab.get(AgentLabel.AGENT_NAME) in agents)
+
+    return Witness(agents,
+                   total(engine, VLLM_BYTES_TRANSFERRED.name + "_sum"),
+                   total(engine, VLLM_BYTES_TRANSFERRED.name + "_count"),
+                   nixl_total(NIXL_TX_BYTES.series_names[0]), nixl_total(NIXL_TX_REQUESTS.series_names[0]),
+                   nixl_total(NIXL_TX_LAST_BYTES))
+
+
+def wait_witness(server: Any, timeout_s: float = 30.0) -> Witness:
+    """The engine's witness once both sides agree (the engine's count reaches /metrics a
+    step after NIXL's: the last WRITE's stats travel with the next step), or as last seen
+    when they do not within `timeout_s`."""
+    seen: list[Witness] = []
+
+    def agreed() -> bool:
+        seen[:] = [witness(samples(server.metrics()), samples(server.nixl_metrics()))]
+        return seen[0].agrees()
+
+    with contextlib.suppress(PollTimeout):
+        wait_until(agreed, "the engine's and NIXL's counts to agree", timeout_s, 0.5)
+    return seen[0]
 
 
 def _pct(part: float, whole: float) -> str:

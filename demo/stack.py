@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from connector import vocabulary as V
 from dashboards import promrun
 from demo.engines import (
     DEMO_MODEL_FLAGS,
@@ -40,6 +41,8 @@ JOB = "vllm"
 OPENMETRICS_PATH = "/metrics/"
 # The router's own metrics (connector.router), scraped as a job of their own.
 ROUTER_JOB = "router"
+# NIXL's own exporter in each engine (demo.engines.nixl_exporter_env), a job of its own.
+NIXL_JOB = V.NIXL_JOB
 MODEL_CACHE = REPO / ".cache" / "demo-model"
 HOSTS = ("prefill", "decode", "obs")
 
@@ -167,18 +170,22 @@ class Stack:
         # The router's own /metrics, a job of its own (as the router's PodMonitor in deploy/).
         router_job = promrun.scrape_job(ROUTER_JOB, [f"{self.router.address}:{self.router.port}"],
                                         restore_vllm_colon=False)
+        nixl_job = promrun.scrape_job(NIXL_JOB, [s.nixl_metrics_target for s in (self.prefill, self.decode)],
+                                      restore_vllm_colon=False)
         # A fresh TSDB: a previous run's series (other ports) would still count as current
         # for Prometheus' 5 minutes of lookback, and every `up` wait below would see them.
         shutil.rmtree(self.workdir / "prometheus" / "data", ignore_errors=True)
         self.prometheus = promrun.PrometheusServer(
-            [job, router_job], rule_files=[promrun.RULES_PATH], workdir=self.workdir / "prometheus",
+            [job, router_job, nixl_job], rule_files=[promrun.RULES_PATH], workdir=self.workdir / "prometheus",
             features=["exemplar-storage"], address=obs.address if obs is not None else LOOPBACK,
             wrap=obs.command if obs is not None else None).start()
         self.prometheus_pid = self.prometheus.process.pid  # type: ignore[union-attr]
-        self.prometheus.wait_for(f'sum(up{{job=~"{JOB}|{ROUTER_JOB}"}})', lambda v: v == 3, timeout_s=60,
-                                 what="Prometheus scraping both engines and the router")
+        self.prometheus.wait_for(f'sum(up{{job=~"{JOB}|{ROUTER_JOB}|{NIXL_JOB}"}})', lambda v: v == 5,
+                                 timeout_s=60, what="Prometheus scraping both engines, their NIXL "
+                                 "exporters and the router")
         self.progress(f"Prometheus {self.prometheus.url} pid {self.prometheus_pid} "
-                      f"scraping both engines and the router, rules loaded, exemplar storage on")
+                      f"scraping both engines, NIXL's exporter of each and the router, rules loaded, "
+                      f"exemplar storage on")
 
     def restart_prefill(self, crash: bool = True) -> VllmServer:
         """P dies (every process on its host, or its process group) and comes back with the
@@ -193,6 +200,7 @@ class Stack:
         self._stopped.append(old)
         self._restarts += 1
         self.prefill = self._engine("prefill", port=old.port, side_channel_port=old.side_channel_port,
+                                    nixl_metrics_port=old.nixl_metrics_port,
                                     log_name=f"prefill-{self._restarts + 1}")
         self.progress(f"vllm serve P restarted: pid {self.prefill.pid} log {self.prefill.log_path}")
         self.prefill.wait_healthy()

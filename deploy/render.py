@@ -45,6 +45,11 @@ K8S_KV_BUFFER_DEVICE = "cuda"
 K8S_ENGINE_ID = "$(POD_NAME)"
 # The demo listens on 127.0.0.1 and a free port; a pod on all its addresses and this port.
 K8S_HTTP_PORT = 8000
+# NIXL's own exporter in a pod: all addresses, this port, its stores in an emptyDir mounted here
+# (demo/engines.py nixl_exporter_env; the demo: 127.0.0.1, a free port, a folder of its workdir).
+K8S_NIXL_METRICS_PORT = 9400
+K8S_NIXL_MULTIPROC_DIR = "/run/nixl-metrics"
+NIXL_METRICS_PORT_NAME = "nixl-metrics"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 ROLE_LABEL = "llm-d.ai/role"
 ENGINE_COMMAND = ["vllm", "serve"]
@@ -265,8 +270,30 @@ def engine_problems(objs: list[Obj]) -> list[str]:
         if container_port(c, "http") != K8S_HTTP_PORT:
             problems.append(f"{where}: container port `http` must be {K8S_HTTP_PORT} (vLLM's --port)")
         problems += _ucx_range_problems(where, variables.get("UCX_TCP_PORT_RANGE"), side_port)
+        problems += _nixl_exporter_problems(where, workload, c)
     if len(seen_models) > 1:
         problems.append(f"P and D must serve the same model under the same name, got {sorted(seen_models)}")
+    return problems
+
+
+def _nixl_exporter_problems(where: str, workload: Obj, c: Obj) -> list[str]:
+    """NIXL's exporter as the demo runs it (demo/engines.py nixl_exporter_env), on its named port,
+    with its multi-process directory an emptyDir of the pod."""
+    from demo.engines import nixl_exporter_env
+
+    variables = env(c)
+    want = nixl_exporter_env(K8S_NIXL_METRICS_PORT, K8S_NIXL_MULTIPROC_DIR, local=False)
+    problems = [f"{where}: env {k} is {variables.get(k)!r}, want {v!r} (demo/engines.py nixl_exporter_env)"
+                for k, v in want.items() if variables.get(k) != v]
+    if container_port(c, NIXL_METRICS_PORT_NAME) != K8S_NIXL_METRICS_PORT:
+        problems.append(f"{where}: container port `{NIXL_METRICS_PORT_NAME}` must be {K8S_NIXL_METRICS_PORT} "
+                        "(NIXL_TELEMETRY_PROMETHEUS_PORT)")
+    mounts = {m.get("mountPath"): m.get("name") for m in c.get("volumeMounts", [])}
+    volumes = {v.get("name"): v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+    volume = volumes.get(mounts.get(K8S_NIXL_MULTIPROC_DIR))
+    if volume is None or "emptyDir" not in volume:
+        problems.append(f"{where}: {K8S_NIXL_MULTIPROC_DIR} (NIXL_TELEMETRY_MULTIPROC_DIR) must be an "
+                        "emptyDir volume: local, private to the pod, shared by its ranks")
     return problems
 
 
@@ -282,7 +309,7 @@ def _ucx_range_problems(where: str, value: str | None, side_port: str | None) ->
         low, high = ucx_port_range(value)
     except ValueError:
         return [f"{where}: UCX_TCP_PORT_RANGE {value!r} is not LOW-HIGH"]
-    taken = {K8S_HTTP_PORT} | ({int(side_port)} if side_port else set())
+    taken = {K8S_HTTP_PORT, K8S_NIXL_METRICS_PORT} | ({int(side_port)} if side_port else set())
     if not 1024 <= low <= high <= 65535 or any(low <= p <= high for p in taken):
         return [f"{where}: UCX_TCP_PORT_RANGE {value} must be unprivileged and avoid ports {sorted(taken)}"]
     return []
@@ -482,6 +509,7 @@ def monitoring_problems(objs: list[Obj]) -> list[str]:
         if have != want:
             problems.append(f"{kind}/{name} differs from what dashboards/ generates")
     problems += router_monitor_problems(objs, router_monitors)
+    problems += nixl_monitor_problems(objs)
     if len(engine_monitors) != 1:
         return [*problems, f"expected one PodMonitor for the engines, found {len(engine_monitors)}"]
     spec = engine_monitors[0]["spec"]
@@ -513,13 +541,34 @@ def monitoring_problems(objs: list[Obj]) -> list[str]:
     return problems
 
 
+def _scrapes_nixl(monitor: Obj) -> bool:
+    endpoints = monitor["spec"].get("podMetricsEndpoints", [])
+    return any(ep.get("port") == NIXL_METRICS_PORT_NAME for ep in endpoints)
+
+
 def _podmonitors(objs: list[Obj]) -> tuple[list[Obj], list[Obj]]:
-    """(the other PodMonitors, which must be the engines' one; those selecting the router's pods)."""
+    """(the other PodMonitors but NIXL's exporter's, which must be the engines' one; those
+    selecting the router's pods)."""
     found = router(objs)
     labels = pod_labels(found[0]) if found else None
-    monitors = find(objs, "PodMonitor")
+    monitors = [m for m in find(objs, "PodMonitor") if not _scrapes_nixl(m)]
     mine = [m for m in monitors if labels is not None and selects(m["spec"].get("selector", {}), labels)]
     return [m for m in monitors if m not in mine], mine
+
+
+def nixl_monitor_problems(objs: list[Obj]) -> list[str]:
+    """One PodMonitor scrapes NIXL's exporter of every engine pod: its named port, /metrics."""
+    monitors = [m for m in find(objs, "PodMonitor") if _scrapes_nixl(m)]
+    if len(monitors) != 1:
+        return [f"expected one PodMonitor for NIXL's exporter (port {NIXL_METRICS_PORT_NAME}), "
+                f"found {len(monitors)}"]
+    spec, name = monitors[0]["spec"], monitors[0]["metadata"]["name"]
+    problems = [f"PodMonitor/{name} does not select the {role} pods" for role in KV_ROLES
+                for w in engines(objs, role) if not selects(spec.get("selector", {}), pod_labels(w))]
+    problems += [f"PodMonitor/{name}: endpoint {ep.get('port')!r} {ep.get('path')!r} is not "
+                 f"{NIXL_METRICS_PORT_NAME} /metrics" for ep in spec["podMetricsEndpoints"]
+                 if (ep.get("port"), ep.get("path")) != (NIXL_METRICS_PORT_NAME, "/metrics")]
+    return problems
 
 
 def router_monitor_problems(objs: list[Obj], monitors: list[Obj]) -> list[str]:
@@ -645,14 +694,19 @@ def allowed_ingress(objs: list[Obj], labels: dict[str, str]) -> set[Allowed] | N
 
 def wanted_ingress(objs: list[Obj], role: str) -> set[Allowed]:
     """What an engine's pods must let in, read from its own manifest: its side channel and
-    UCX range from the other role, its HTTP port from the router and the scraper."""
+    UCX range from the other role, its HTTP port from the router and the scraper, NIXL's
+    exporter's port from the scraper."""
     c = main_container(engines(objs, role)[0])
     variables = env(c)
     side = int(variables["VLLM_NIXL_SIDE_CHANNEL_PORT"])
     low, high = ucx_port_range(variables["UCX_TCP_PORT_RANGE"])
     http = int(flag([str(a) for a in c.get("args", [])], "--port") or K8S_HTTP_PORT)
     peer = next(r for r in KV_ROLES if r != role)
-    return {(peer, side, side), (peer, low, high), ("router", http, http), ("prometheus", http, http)}
+    wanted = {(peer, side, side), (peer, low, high), ("router", http, http), ("prometheus", http, http)}
+    if variables.get("NIXL_TELEMETRY_PROMETHEUS_PORT"):
+        nixl = int(variables["NIXL_TELEMETRY_PROMETHEUS_PORT"])
+        wanted.add(("prometheus", nixl, nixl))
+    return wanted
 
 
 def network_policy_problems(objs: list[Obj]) -> list[str]:

@@ -213,8 +213,34 @@ def test_network_policies_let_in_exactly_the_ports_the_engines_use(overlay):
         side = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
         low, high = render.ucx_port_range(env["UCX_TCP_PORT_RANGE"])
         http = render.container_port(c, "http")
+        nixl = int(env["NIXL_TELEMETRY_PROMETHEUS_PORT"])  # NIXL's own exporter: the scraper only
         assert render.allowed_ingress(objs, render.pod_labels(workload)) == {
-            (peer, side, side), (peer, low, high), ("router", http, http), ("prometheus", http, http)}
+            (peer, side, side), (peer, low, high), ("router", http, http), ("prometheus", http, http),
+            ("prometheus", nixl, nixl)}
+
+
+def test_nixls_exporter_runs_as_the_demo_runs_it_and_is_scraped():
+    objs = rendered("1p1d")
+    assert render.nixl_monitor_problems(objs) == []
+    c = engine_container(objs, "Deployment", "decode")
+    next(e for e in c["env"] if e["name"] == "NIXL_TELEMETRY_EXPORTER")["value"] = "prometheus"
+    assert any("NIXL_TELEMETRY_EXPORTER is 'prometheus', want 'prometheus_mp'" in p
+               for p in render.engine_problems(objs))
+    objs = rendered("1p1d")
+    c = engine_container(objs, "Deployment", "decode")
+    c["volumeMounts"] = [m for m in c["volumeMounts"] if m["mountPath"] != render.K8S_NIXL_MULTIPROC_DIR]
+    assert any("must be an emptyDir volume" in p for p in render.engine_problems(objs))
+    objs = rendered("1p1d")  # NIXL's port moved: the policy no longer fits
+    c = engine_container(objs, "Deployment", "decode")
+    next(e for e in c["env"] if e["name"] == "NIXL_TELEMETRY_PROMETHEUS_PORT")["value"] = "9401"
+    assert render.network_policy_problems(objs) == [
+        "decode pods: the NetworkPolicies do not let prometheus reach port(s) 9401-9401",
+        "decode pods: the NetworkPolicies let prometheus reach port(s) 9400-9400, which the engines do not "
+        "use for it"]
+    objs = [o for o in rendered("1p1d") if not (o["kind"] == "PodMonitor"
+                                                and o["metadata"]["name"] == "nixl-agents")]
+    assert render.nixl_monitor_problems(objs) == [
+        "expected one PodMonitor for NIXL's exporter (port nixl-metrics), found 0"]
 
 
 @pytest.mark.parametrize(("var", "value", "missing", "unused"), [

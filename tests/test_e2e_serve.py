@@ -15,6 +15,7 @@ Requests carry a traceparent the test made, so the test knows each request's tra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import re
@@ -59,6 +60,7 @@ from connector.vocabulary import (
 )
 from connector.vocabulary import VLLM_EXTERNAL_PROMPT_TOKENS as EXTERNAL
 from connector.vocabulary import VLLM_KV_EXPIRED_TOTAL as EXPIRED
+from dashboards import panels, promrun
 from demo import drive, report
 from demo.engines import (
     NIXL_WORKER_LOGGER,
@@ -68,7 +70,7 @@ from demo.engines import (
     session_pids,
 )
 from demo.network import unavailable_reason
-from demo.stack import JOB, EngineOptions, Stack
+from demo.stack import JOB, NIXL_JOB, EngineOptions, Stack
 from harness.poll import wait_until
 
 pytestmark = [pytest.mark.real, pytest.mark.prometheus, pytest.mark.serve, pytest.mark.timeout(1200)]
@@ -230,6 +232,42 @@ def test_kv_came_over_nixl_and_every_d_to_p_handshake_stayed_notification_only(
     assert report.total(d, verify, outcome="mismatch") == report.total(d, verify, outcome="skipped") == 0
     assert report.total(p, KV_DIGEST_DURATION.name + "_count") == n
     assert report.total(d, KV_DIGEST_DURATION.name + "_count") == n
+
+
+def test_nixls_own_exporter_counts_exactly_the_bytes_and_writes_the_engines_report(
+        stack: Stack, outcomes: list[drive.Outcome]) -> None:
+    """NIXL's exporter in each engine (prometheus_mp, demo/engines.py) is an independent witness:
+    once the last WRITE's stats reached /metrics, P's bytes and WRITEs as vLLM reports them equal
+    NIXL's agent_tx_bytes_total and agent_tx_requests_num_total for P's agents, joined by the
+    engine's vllm:nixl_push_agent_info (D: both 0, its agent joined). One WRITE off, they differ."""
+    assert outcomes
+    p = report.wait_witness(stack.prefill, timeout_s=60)
+    d = report.wait_witness(stack.decode, timeout_s=60)
+    assert p.agrees(), p.line("P")
+    assert d.agrees(), d.line("D")
+    assert len(p.agents) == len(d.agents) == 1
+    assert p.engine_writes >= len(outcomes) + 1 and p.engine_bytes > 0 and p.last_write_bytes > 0
+    assert d.nixl_bytes == d.engine_bytes == 0  # (D writes nothing: one-sided WRITEs from P)
+    assert not dataclasses.replace(p, engine_bytes=p.engine_bytes - p.last_write_bytes).agrees()
+    assert not dataclasses.replace(p, engine_writes=p.engine_writes + 1).agrees()
+    assert not dataclasses.replace(p, agents=()).agrees()  # (nothing joined: no witness)
+    # The dashboard's NIXL row, as Grafana asks the stack's Prometheus (which scrapes NIXL's
+    # exporters as job "nixl"): every query answers, and the witness stat reads 0.
+    prom = stack.prometheus
+    assert prom is not None
+    read_at = time.time()
+    wait_until(lambda: (prom.value(f'min(timestamp(up{{job=~"{JOB}|{NIXL_JOB}"}}))') or 0) > read_at,
+               "a scrape of both engines and their NIXL exporters after the counts agreed", 60, 0.25)
+    row = panels.row_titles(panels.NIXL_AGENTS_ROW)
+    answers = [q for q in promrun.evaluate_dashboard(
+        prom, panels.build_dashboard(), {"job": JOB, "model_name": SERVED_MODEL, "instance": ".*",
+                                         "engine": ".*", "__rate_interval": "10m", "__range": "1h",
+                                         "__interval": "15s"}) if q.panel in row]
+    assert {q.panel for q in answers} == row
+    for q in answers:
+        assert q.ok and q.series, f"{q.panel} {q.ref_id} returned no data: {q.expr}"
+    difference = next(q for q in answers if q.panel == "Engine bytes minus NIXL's (range)")
+    assert [v for _, v in difference.values()] == [0.0]
 
 
 def test_streamed_completion_through_the_router_equals_the_reference(stack: Stack) -> None:

@@ -336,6 +336,9 @@ CORE = {
 WITH_VLLM_TTFT = {"Mean TTFT by stage (range)", "Share of D's TTFT spent waiting for KV (range)",
                   "Mean TTFT on D: waiting for KV, then D's own work",
                   "Share of D's TTFT spent waiting for KV"}
+# NIXL's own exporter's row: the harness runs no NIXL exporter, so its queries parse and answer
+# nothing here; tests/test_e2e_serve.py evaluates the row on real `vllm serve` with data.
+NIXL_EXPORTER_ROW = panels.row_titles(panels.NIXL_AGENTS_ROW)
 # Panels whose series are born at their first failure: empty in a healthy run.
 QUIET = {"Handshake failures/s by phase and error type"}
 # Panels over series the connector creates at their first event (not at start-up), if
@@ -352,7 +355,11 @@ def test_every_panel_query_parses_and_has_no_nan(run: Run) -> None:
 
 def test_panels_are_classified(run: Run) -> None:
     titles = {q.panel for q in run.busy}
-    assert titles == CORE | QUIET | BORN_LATE | WITH_VLLM_TTFT
+    assert titles == CORE | QUIET | BORN_LATE | WITH_VLLM_TTFT | NIXL_EXPORTER_ROW
+    assert not NIXL_EXPORTER_ROW & (CORE | QUIET | BORN_LATE | WITH_VLLM_TTFT)
+    nixl = {name for spec in V.NIXL_EXPORTER_METRICS for name in spec.series_names}
+    for q in (q for q in run.busy if q.panel in NIXL_EXPORTER_ROW):  # (the engines' own lines: data)
+        assert bool(q.series) != bool(promql.metric_names(q.expr) & nixl), (q.panel, q.ref_id)
     assert not (CORE & QUIET) and not (CORE & BORN_LATE) and not (QUIET & BORN_LATE)
     assert not (WITH_VLLM_TTFT & (CORE | QUIET | BORN_LATE))
     # A panel may only be excused as born-late if one of its metrics really had no series

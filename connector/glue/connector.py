@@ -10,6 +10,8 @@ worker (and no second NIXL agent) is ever created.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 from connector.glue import guard, listener
 from connector.glue.guard import SCHEDULER_SEAM, WORKER_SEAM
 from connector.glue.host_settings import SETTING_ERRORS, HostSettings
+from connector.glue.nixl_telemetry import NixlTelemetryEnvError, check_nixl_telemetry_env
 from connector.glue.scheduler import ObservedPushScheduler
 from connector.glue.worker import ObservedPushWorker
 from connector.integrity.policy import VerifyPolicy
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
 
 CONNECTOR_NAME = "NixlPushConnector"
 _SEAM_LOCK = threading.Lock()
+logger = logging.getLogger(__name__)
+_warned_nixl_env = False
 
 
 @contextmanager
@@ -89,6 +94,24 @@ def check_connector_config(vllm_config: VllmConfig) -> None:
         VerifyPolicy.from_config(kv.get_from_extra_config)  # (the KV check's settings)
     except (*SETTING_ERRORS, ValueError) as exc:
         raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None
+    check_nixl_env(vllm_config)
+
+
+def check_nixl_env(vllm_config: VllmConfig) -> None:
+    """NIXL's exporter settings (connector/glue/nixl_telemetry.py): stop here, with the
+    variable named, rather than inside NIXL's agent constructor; warn once per process."""
+    global _warned_nixl_env
+    parallel = getattr(vllm_config, "parallel_config", None)
+    world = int(getattr(parallel, "tensor_parallel_size", 1) or 1) * int(
+        getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    try:
+        found = check_nixl_telemetry_env(os.environ, world)
+    except NixlTelemetryEnvError as exc:
+        raise ConnectorConfigError(f"NIXL's telemetry exporter: {exc}") from None
+    if found.warnings and not _warned_nixl_env:
+        _warned_nixl_env = True
+        for warning in found.warnings:
+            logger.warning("NIXL's telemetry exporter: %s", warning)
 
 
 class NixlPushConnector(StockNixlPushConnector):

@@ -76,6 +76,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # vLLM failure types (the `failure_type` of `_log_failure`) that end a P-side push.
+AGENT_NAMED_EVERY_S = 60.0
 _PUSH_FAILURES = frozenset(
     {"push_handshake_failed", "transfer_setup_failed", "transfer_failed", "transfer_exception"}
 )
@@ -190,6 +191,10 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         # the request's arrival (its whole wait for KV).
         self._receive_clock = ReceiveClock(registration_timeout_s)
         self._in_flight = InFlight()
+        # This worker's NIXL agent, named to the API server for the join of NIXL's own
+        # exporter (vLLM names the agent with a random UUID; the harness has none).
+        self._agent_name: str | None = getattr(getattr(self, "nixl_wrapper", None), "name", None)
+        self._agent_named_at: float | None = None
 
     # -------------------------------------------------- declared seams (tools)
     # What the harness, benchmarks and tests use of a running worker beyond vLLM's own
@@ -267,7 +272,22 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
                     self.xfer_stats.record_telemetry_errors(lost)
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
+        if self._agent_name is not None and not self.xfer_stats.is_empty():
+            self._name_agent()
         return super().get_kv_connector_stats()
+
+    def _name_agent(self) -> None:
+        """On an interval that ships anyway: this worker's NIXL agent, the first time and
+        then once every AGENT_NAMED_EVERY_S (an API server that missed it, e.g. one of
+        several, learns it within that)."""
+        now = time.monotonic()
+        if self._agent_named_at is not None and now - self._agent_named_at < AGENT_NAMED_EVERY_S:
+            return
+        self._agent_named_at = now
+        try:
+            self.xfer_stats.add_nixl_agent(int(self.tp_rank), str(self._agent_name))
+        except Exception as exc:
+            errors.note(TelemetryError.STATS, exc)
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """The step's defined point for the push state (engine main thread), in order:

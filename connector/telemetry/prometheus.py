@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 _SPAN_ID = re.compile(r"[0-9a-f]{16}")
+_AGENT_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,128}")  # (vLLM's: a UUID)
 
 
 def exemplar_of(trace_id: Any, span_id: Any = None) -> dict[str, str] | None:
@@ -76,6 +77,8 @@ class ObservedPromMetrics(NixlPromMetrics):
             self._precreate_handshake_series(idx)
             self._precreate_push_series(idx)
         self._init_degraded_gauge(list(labelnames), degraded)
+        self._agent_info = self._make(V.NIXL_AGENT_INFO, list(labelnames))
+        self._agents: set[tuple[int, str, str]] = set()
 
     def _precreate_handshake_series(self, idx: int) -> None:
         """Pre-create the series dashboards and alerts rely on, so rates start at 0
@@ -244,6 +247,12 @@ class ObservedPromMetrics(NixlPromMetrics):
             else:
                 for (first, second), n in pairs.items():
                     self._child(spec, idx, first, second).inc(n)
+        agents = data.get(StatKey.NIXL_AGENTS)
+        if agents:
+            try:
+                self._observe_agents(agents, idx)
+            except Exception:
+                self._drop(StatKey.NIXL_AGENTS, agents, idx)
         snapshots = data.get(StatKey.IN_FLIGHT)
         if snapshots:
             try:
@@ -263,6 +272,24 @@ class ObservedPromMetrics(NixlPromMetrics):
                 self._child(age_gauge, idx).set(max(age for _, age in pairs))
             except Exception:
                 self._drop(key, snapshots, idx)
+
+    def _observe_agents(self, agents: list[list[Any]], idx: int) -> None:
+        """`vllm:nixl_push_agent_info` for each worker's NIXL agent (validated first: a
+        label value must be NIXL's agent name, and the set stays bounded)."""
+        new = []
+        for rank, name in agents:
+            if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 65536:
+                raise ValueError(f"bad TP rank {rank!r}")
+            if not isinstance(name, str) or not _AGENT_NAME.fullmatch(name):
+                raise ValueError(f"bad agent name {name!r}")
+            key = (idx, name, str(rank))
+            if key not in self._agents:
+                new.append(key)
+        if len(self._agents) + len(set(new)) > V.MAX_NIXL_AGENTS:
+            raise ValueError(f"more than {V.MAX_NIXL_AGENTS} NIXL agents")
+        for key in new:
+            self._agents.add(key)
+            self._agent_info.labels(*self.per_engine_labelvalues[idx], key[1], key[2]).set(1)
 
     def _observe_in_flight(self, snapshots: list[dict[str, list[float]]], idx: int) -> None:
         """Sum the workers' snapshots of one step; every series not reported is 0."""

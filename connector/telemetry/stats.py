@@ -189,6 +189,13 @@ class ObservedNixlStats(NixlKVConnectorStats):
     def record_kv_digest(self, seconds: float) -> None:
         self._append(StatKey.KV_DIGEST_SECONDS, seconds)
 
+    def add_nixl_agent(self, tp_rank: int, agent_name: str) -> None:
+        """This worker's NIXL agent, for the API server's join of NIXL's own series. Only
+        on an interval that already carries records (the worker decides when): naming
+        the agent never makes an idle step ship stats."""
+        with _LOCK:
+            self.data.setdefault(StatKey.NIXL_AGENTS, []).append([tp_rank, agent_name])
+
     def set_remote_prefills(self, waiting: int, oldest_wait_s: float) -> None:
         """D's scheduler: requests waiting for a remote prefill now (a snapshot)."""
         with _LOCK:
