@@ -56,6 +56,7 @@ class EngineSpec:
     # dicts may add max_queue_size, max_export_batch_size, export_timeout_s
     tracing: Any = None
     workdir: str = "/tmp"
+    env: dict[str, str] = field(default_factory=dict)  # more environment (e.g. NIXL's exporter)
     tp_size: int = 1
     pp_size: int = 1
     rank: int = 0
@@ -191,6 +192,7 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(Path(spec.workdir) / "vllm-cache")),
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        **spec.env,
     }
     if isinstance(spec.tracing, dict):
         if "endpoint" in spec.tracing:

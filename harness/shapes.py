@@ -81,6 +81,7 @@ class CaseResult:
     stats: list[list[dict[str, Any]]] = field(default_factory=list)  # per D rank
     spans: list[list[dict[str, Any]]] = field(default_factory=list)  # per D rank (memory tracing)
     p_handshakes: list[list[dict[str, Any]]] = field(default_factory=list)  # per P rank, P->D
+    p_stats: list[list[dict[str, Any]]] = field(default_factory=list)  # per P rank, this case
     failed: list[str] = field(default_factory=list)
     error: str | None = None
     log_files: list[str] = field(default_factory=list)  # per D rank (every case's lines)
@@ -157,11 +158,12 @@ class CaseResult:
 
 
 def engine_spec(name: str, role: str, connector: str, *, tp: int = 1, pp: int = 1,
-                block_size: int = D_BLOCK_SIZE, workdir: str, tracing: Any = None) -> EngineSpec:
+                block_size: int = D_BLOCK_SIZE, workdir: str, tracing: Any = None,
+                env: dict[str, str] | None = None) -> EngineSpec:
     return EngineSpec(name=name, engine_id=f"{name}-{secrets.token_hex(3)}", kv_role=role,
                       side_channel_port=free_port(), connector=connector, num_layers=NUM_LAYERS,
                       num_blocks=NUM_BLOCKS, num_kv_heads=NUM_KV_HEADS, block_size=block_size,
-                      tp_size=tp, pp_size=pp, tracing=tracing, workdir=workdir)
+                      tp_size=tp, pp_size=pp, tracing=tracing, workdir=workdir, env=dict(env or {}))
 
 
 def shape_of(p: Cluster, d: Cluster) -> dict[str, Any]:
@@ -323,6 +325,7 @@ class ShapeRunner:
         res.stats = stats
         res.handshakes = [_d_to_p_records(s) for s in stats]
         res.p_handshakes = [_records(s, "p_to_d") for s in p_stats]
+        res.p_stats = p_stats
         return res
 
 

@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ from connector.glue.nixl_telemetry import NixlTelemetryEnvError, check_nixl_tele
 from connector.glue.worker import AGENT_NAMED_EVERY_S, ObservedPushWorker
 from connector.telemetry.stats import ObservedNixlStats
 from connector.vocabulary import MAX_NIXL_AGENTS, NIXL_AGENT_INFO, StatKey
+from demo import report
 from demo.engines import nixl_exporter_env
+from harness.poll import wait_until
 from harness.ports import free_port
 from tests.test_stats_and_prometheus import frontend
 
@@ -155,3 +158,46 @@ def test_a_worker_names_its_agent_on_intervals_that_ship_and_once_a_minute(monke
     now[0] += AGENT_NAMED_EVERY_S / 2
     worker.xfer_stats.record_push(StatKey.PUSHES_COMPLETED)
     assert worker.get_kv_connector_stats().data[StatKey.NIXL_AGENTS] == [[0, "agent-p0"]]
+
+
+# ---------------------------------------------------------------- TP 2: every rank exported
+@pytest.mark.real
+def test_a_tp2_engine_exports_every_rank_through_nixls_multiprocess_plugin(tmp_path: Path):
+    """P TP2 (two rank processes, real vLLM workers and NIXL agents) pushes to D TP1 with
+    NIXL's exporter as the recipes run it: one endpoint shows both ranks' agents, each with
+    the bytes it sent; the info metric names both with their TP ranks; and the engine's
+    bytes (vLLM's, summed over its ranks as the API server does) equal NIXL's."""
+    from harness.cluster import Cluster
+    from harness.shapes import ShapeRunner, engine_spec
+
+    port = free_port()
+    env = nixl_exporter_env(port, str(tmp_path / "nixl-p"), local=True)
+    p_spec = engine_spec("Pnixl", "kv_producer", "fork", tp=2, workdir=str(tmp_path), env=env)
+    d_spec = engine_spec("Dnixl", "kv_consumer", "fork", tp=1, workdir=str(tmp_path))
+    with Cluster(d_spec) as d, Cluster(p_spec) as p:
+        result = ShapeRunner(requests=2).run_case(p, d)
+        assert result.ok and result.bytes_ok, result.summary()
+        collected = [data for rank in result.p_stats for data in rank]
+        seen = [""]
+
+        def all_writes_reported() -> bool:
+            # (a WRITE's stats reach the ranks' stats a step after it completes)
+            collected.extend(data for got in p.call_all("stats") for data in got)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+                seen[0] = resp.read().decode()
+            nixl = sum(v for n, _, v in report.samples(seen[0]) if n == "agent_tx_bytes_total")
+            return 0 < nixl == sum(sum(data.get("bytes_transferred", ())) for data in collected)
+
+        wait_until(all_writes_reported, "every WRITE's bytes in the P ranks' stats", 60, 0.2)
+        exposition = seen[0]
+    fe = frontend()
+    fe.observe(collected)
+    info = {(s.labels["agent_name"], s.labels["tp_rank"]) for m in fe.registry.collect() if m.name == INFO
+            for s in m.samples}
+    assert sorted(rank for _, rank in info) == ["0", "1"]
+    engine = report.samples(fe.exposition())
+    witness = report.witness(engine, report.samples(exposition))
+    assert set(witness.agents) == {name for name, _ in info}
+    sent = {lab["agent_name"]: v for n, lab, v in report.samples(exposition) if n == "agent_tx_bytes_total"}
+    assert sent.keys() == set(witness.agents) and all(v > 0 for v in sent.values()), sent
+    assert witness.agrees(), witness.line("P TP2")
