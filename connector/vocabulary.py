@@ -65,6 +65,9 @@ class ErrorType(_Vocab):
     CONFIG_MISMATCH = "config_mismatch"
     DECODE_ERROR = "decode_error"
     NIXL_ERROR = "nixl_error"
+    # The side channel's authentication failed (side_channel_secret_file): the peer has no
+    # secret, or another one (connector/trust).
+    UNAUTHENTICATED = "unauthenticated"
     OTHER = "other"
 
 
@@ -297,6 +300,22 @@ class SideChannelRejection(_Vocab):
     UNKNOWN_RANK = "unknown_rank"  # asked for a (pp, tp) rank this engine does not have
 
 
+class AuthChannel(_Vocab):
+    """Where a peer without the deployment's secret was refused (connector/trust)."""
+
+    SIDE_CHANNEL = "side_channel"  # a metadata request, or the answer to ours
+    NOTIFICATION = "notification"  # a NIXL notification (PUSH_REG, heartbeat, PUSH_FAIL, ...)
+
+
+class AuthRefusal(_Vocab):
+    """Why a peer was refused (only with `side_channel_secret_file`)."""
+
+    NO_PROOF = "no_proof"  # it sent no proof: a stock engine, or a fork without the secret
+    BAD_PROOF = "bad_proof"  # its proof failed: another secret, or a replayed or stale challenge
+    PEER_NOT_AUTHENTICATING = "peer_not_authenticating"  # we asked; it answered without a challenge
+    PEER_BAD_PROOF = "peer_bad_proof"  # we asked; its answer's proof failed
+
+
 BOOL_VALUES = ("true", "false")
 
 
@@ -341,6 +360,9 @@ class Attr:
     """Span attribute keys (OTel semantic conventions where one exists)."""
 
     NOTIF_AGENTS_ONLY = "vllm.nixl.notif_agents_only"
+    # Whether the side channel's exchange proved the deployment's secret both ways (only
+    # with side_channel_secret_file; false: no secret configured).
+    PEER_AUTHENTICATED = "vllm.nixl.peer_authenticated"
     DIRECTION = "vllm.nixl.handshake.direction"
     TRIGGER = "vllm.nixl.handshake.trigger"
     OUTCOME = "vllm.nixl.handshake.outcome"
@@ -454,6 +476,7 @@ class Label:
     REASON = "reason"
     FATE = "fate"
     STEP = "step"
+    CHANNEL = "channel"
 
 
 # Allowed values per label (the dashboards and the label-cardinality test use these).
@@ -473,9 +496,11 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
         [t.value for t in TelemetryError] + [r.value for r in PushRegRejection]
         + [r.value for r in SideChannelRejection] + [r.value for r in ReceiveFailure]
         + [r.value for r in PeerReset] + [r.value for r in PushFailReason]
-        + [r.value for r in ReceiveAbandon] + [r.value for r in KvVerifyReason])),
+        + [r.value for r in ReceiveAbandon] + [r.value for r in KvVerifyReason]
+        + [r.value for r in AuthRefusal])),
     Label.FATE: tuple(f.value for f in LeaseFate),
     Label.STEP: tuple(x.value for x in InternalStep),
+    Label.CHANNEL: tuple(c.value for c in AuthChannel),
 }
 
 
@@ -667,6 +692,14 @@ SIDE_CHANNEL_REJECTED = MetricSpec(
     "rank. vLLM's listener thread dies on such a request (no handshake is answered after "
     "it); ours logs it, counts it here and keeps serving.",
 )
+PEER_AUTH_REFUSALS = MetricSpec(
+    "vllm:nixl_peer_auth_refusals",
+    MetricKind.COUNTER,
+    (Label.CHANNEL, Label.REASON),
+    "Peers refused for want of the deployment's secret (side_channel_secret_file): a metadata "
+    "request or notification without a valid proof, or a peer whose answer to ours had none. The "
+    "first refusal per peer address is logged at WARNING.",
+)
 TELEMETRY_ERRORS = MetricSpec(
     "vllm:nixl_telemetry_errors",
     MetricKind.COUNTER,
@@ -843,6 +876,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     HANDSHAKE_OLDEST_IN_FLIGHT,
     PUSH_REG_REJECTED,
     SIDE_CHANNEL_REJECTED,
+    PEER_AUTH_REFUSALS,
     TELEMETRY_ERRORS,
     KV_LEASES_HELD,
     KV_LEASE_OLDEST_AGE,
@@ -953,6 +987,7 @@ METRIC_LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     (PUSH_FAIL_NOTIFS.name, Label.OUTCOME): tuple(o.value for o in PushFailOutcome),
     (WRITE_ABORTS.name, Label.OUTCOME): tuple(o.value for o in WriteAbort),
     (RECEIVES_ABANDONED.name, Label.REASON): tuple(r.value for r in ReceiveAbandon),
+    (PEER_AUTH_REFUSALS.name, Label.REASON): tuple(r.value for r in AuthRefusal),
 }
 
 
@@ -1062,6 +1097,7 @@ class StatKey:
     KV_MISMATCH_FROM = "kv_mismatch_from"
     PREFILL_RESTARTED = "prefill_restarted"
     KV_DIGEST_SECONDS = "kv_digest_seconds"  # list of seconds
+    AUTH_REFUSALS = "peer_auth_refusals"  # list of "AuthChannel|AuthRefusal"
     # A worker's NIXL agent, on its first interval and then once a minute: [[tp_rank, agent_name]]
     NIXL_AGENTS = "nixl_agents"
 
@@ -1100,6 +1136,7 @@ OUR_STAT_KEYS = (
     StatKey.KV_MISMATCH_FROM,
     StatKey.PREFILL_RESTARTED,
     StatKey.NIXL_AGENTS,
+    StatKey.AUTH_REFUSALS,
 )
 
 # What a fork decoder adds to its PUSH_REG and heartbeats (a stock prefill ignores it):

@@ -569,7 +569,7 @@ def _leases() -> list[Cell]:
 
 def _peers() -> list[Cell]:
     resets, restarts = total(V.PEER_RESETS), total(V.PEER_RESTARTS)
-    failures = total(V.RECEIVE_FAILURES)
+    failures, refused = total(V.RECEIVE_FAILURES), total(V.PEER_AUTH_REFUSALS)
     return [
         Cell(count_stat("Peers that restarted",
                         "Re-handshakes that found a remote engine back under the same engine id with "
@@ -596,6 +596,16 @@ def _peers() -> list[Cell]:
                         [target(f"sum {by(Label.REASON)} (rate({sel(failures)}[{RATE}]))",
                                 "{{reason}}")],
                         "suffix: receives/s"), 9, 8),
+        Cell(timeseries("Peers refused/s by channel and reason",
+                        "With side_channel_secret_file: metadata requests, answers to ours and NIXL "
+                        "notifications refused for want of the deployment's secret, by channel and "
+                        f"reason: rate of {refused}. no_proof: a stock engine or a fork without the "
+                        "secret; bad_proof: another secret, or a replayed or stale challenge; "
+                        "peer_not_authenticating / peer_bad_proof: a peer this engine asked did not "
+                        "prove it (alert NixlUnauthenticatedPeer). 0 without the setting.",
+                        [target(f"sum {by(Label.CHANNEL, Label.REASON)} (rate({sel(refused)}[{RATE}]))",
+                                "{{channel}} {{reason}}")],
+                        "suffix: refusals/s"), 24, 8),
     ]
 
 

@@ -188,6 +188,29 @@ def _integrity_alerts() -> list[dict[str, Any]]:
     ]
 
 
+UNAUTHENTICATED_WINDOW = "10m"
+
+
+def _trust_alerts() -> list[dict[str, Any]]:
+    """A peer without the deployment's secret reached an engine (side_channel_secret_file)."""
+    refused, win = total(V.PEER_AUTH_REFUSALS), UNAUTHENTICATED_WINDOW
+    return [
+        {"alert": "NixlUnauthenticatedPeer",
+         "expr": f"sum {by(*INSTANCE, Label.CHANNEL, Label.REASON)} (increase({s(refused)}[{win}]))\n> 0",
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "A peer without the deployment's secret reached {{ $labels.instance }}",
+             "description": "{{ $value }} {{ $labels.channel }} exchange(s) with engine "
+                            f"{{{{ $labels.instance }}}} in the last {win} were refused as "
+                            "{{ $labels.reason }}: something without the secret asked for this "
+                            "engine's NIXL metadata or sent it a notification (no_proof, bad_proof), "
+                            "or a peer it asked did not prove the secret (peer_not_authenticating, "
+                            "peer_bad_proof). Nothing was sent to it and nothing it sent was acted on; "
+                            "the engine's WARNING \"Refused peer\" or \"Refused a notification from\" "
+                            "names it."}},
+    ]
+
+
 def _router_alerts() -> list[dict[str, Any]]:
     """The router's clients get errors: a leg failed for a share of its requests."""
     reqs, win = total(V.ROUTER_REQUESTS), ROUTER_WINDOW
@@ -378,6 +401,7 @@ def build_rules(settings: RuleSettings = DEFAULT_SETTINGS) -> dict[str, Any]:
         *_peer_alerts(),
         *_push_state_alerts(),
         *_integrity_alerts(),
+        *_trust_alerts(),
         *_router_alerts(),
         *_ttft_alerts(),
     ]

@@ -71,7 +71,8 @@ class Stack:
                  progress: Callable[[str], None] = lambda _: None,
                  nixl_progress_delay_us: int | None = PROGRESS_DELAY_US,
                  kv_overrides: dict[str, Any] | None = None, hosts: bool = False,
-                 prefill: EngineOptions | None = None, decode: EngineOptions | None = None):
+                 prefill: EngineOptions | None = None, decode: EngineOptions | None = None,
+                 extra_hosts: Sequence[str] = ()):
         self.workdir = workdir
         self.connector = connector
         self.user_endpoint = otlp_endpoint
@@ -79,6 +80,7 @@ class Stack:
         self.nixl_progress_delay_us = nixl_progress_delay_us
         self.kv_overrides = kv_overrides or {}
         self.hosts = hosts
+        self.extra_hosts = tuple(extra_hosts)  # more hosts on the bridge (e.g. an outsider), none of ours
         self.options = {"prefill": prefill or EngineOptions(), "decode": decode or EngineOptions()}
         self.network: Network | None = None
         self.receiver: OtlpGrpcReceiver | None = None
@@ -131,7 +133,7 @@ class Stack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.model = random_checkpoint(MODEL_CACHE)
         if self.hosts:
-            self.network = Network(list(HOSTS)).open()
+            self.network = Network([*HOSTS, *self.extra_hosts]).open()
             self.progress(f"hosts on bridge {self.network.bridge}: "
                           + ", ".join(f"{h.name} {h.address}" for h in self.network.hosts.values())
                           + f"; this machine {self.network.machine_address}")

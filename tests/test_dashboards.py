@@ -449,7 +449,7 @@ def test_rule_tests_cover_every_alert_firing_and_quiet() -> None:
                       "NixlPushWriteAbortFailed", "NixlKvWaitShareRising", "NixlInternalError",
                       "NixlKvIntegrityMismatch", "NixlKvDeliveryErrorBudgetBurn",
                       "NixlKvDeliveryErrorBudgetSlowBurn", "NixlKvWaitErrorBudgetBurn",
-                      "NixlKvWaitErrorBudgetSlowBurn", "NixlTelemetryDisagrees"}
+                      "NixlKvWaitErrorBudgetSlowBurn", "NixlTelemetryDisagrees", "NixlUnauthenticatedPeer"}
     assert firing == alerts and quiet == alerts
 
 

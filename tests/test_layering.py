@@ -72,6 +72,7 @@ def test_imports_are_read_wherever_they_are(source: str, found: set[str]) -> Non
 
 
 @pytest.mark.parametrize("below", ["connector/settings.py", "connector/vocabulary.py", "connector/integrity",
+                                   "connector/trust",
                                    "connector/state", "connector/telemetry"])
 def test_what_sits_below_the_vllm_glue_imports_none_of_it(below: str) -> None:
     """Settings, the vocabulary, the KV check's parts, the state owners and the telemetry

@@ -321,6 +321,7 @@ CORE = {
     "Completion notifications after lease expiry/s",
     # Peers: counters created at 0 at start-up.
     "Peers that restarted", "Peer connections dropped/s", "Receives failed/s by reason (D)",
+    "Peers refused/s by channel and reason",
     # Push state: counters and gauges created at 0 at start-up.
     "Receives given up/s (D)", "PUSH_FAILs owed/s (P)", "WRITEs aborted/s (P)", "Peers forgotten",
     "Internal errors",

@@ -62,7 +62,9 @@ class Listener:
     def __init__(self, cls: type):
         self.port = free_port()
         self.ready, self.stop = threading.Event(), threading.Event()
-        self.thread = threading.Thread(target=cls._nixl_handshake_listener, daemon=True,
+        owner = cls.__new__(cls)  # (only the listener: ours reads whether a secret is set)
+        owner._peer_secret = None
+        self.thread = threading.Thread(target=owner._nixl_handshake_listener, daemon=True,
                                        args=(PAYLOADS, self.ready, self.stop, HOST, self.port))
         self.thread.start()
         assert self.ready.wait(DEADLINE_S)
@@ -132,6 +134,7 @@ def test_port_in_use_fails_start_up_with_the_port_named_instead_of_waiting_forev
     holder.listen()
     sched = ObservedPushScheduler.__new__(ObservedPushScheduler)  # only the listener's fields
     sched._nixl_handshake_listener_t = None
+    sched._peer_secret = None
     sched._stop_event = threading.Event()
     sched.side_channel_host, sched.side_channel_port = HOST, port
     sched._handshake_data, sched._registration_generation = {}, 0  # read by vLLM 0.33

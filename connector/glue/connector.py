@@ -33,6 +33,8 @@ from connector.glue.worker import ObservedPushWorker
 from connector.integrity.policy import VerifyPolicy
 from connector.telemetry.prometheus import ObservedPromMetrics
 from connector.telemetry.stats import ObservedNixlStats
+from connector.trust import refusals
+from connector.trust.secret import load_secret
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,6 +94,7 @@ def check_connector_config(vllm_config: VllmConfig) -> None:
     try:
         HostSettings.from_extra_config(kv.get_from_extra_config)
         VerifyPolicy.from_config(kv.get_from_extra_config)  # (the KV check's settings)
+        load_secret(kv.get_from_extra_config)  # (the side channel's secret: readable, usable)
     except (*SETTING_ERRORS, ValueError) as exc:
         raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None
     check_nixl_env(vllm_config)
@@ -149,11 +152,14 @@ class NixlPushConnector(StockNixlPushConnector):
         scheduler = getattr(self, "connector_scheduler", None)
         waiting = scheduler.remote_prefills_waiting() if scheduler is not None else None
         rejected = listener.drain_rejected() if listener.pending_rejections else None
-        if waiting is None and not rejected:  # the usual step
+        refused = refusals.drain() if refusals.pending else None
+        if waiting is None and not rejected and not refused:  # the usual step
             return None
         stats = ObservedNixlStats()
         if rejected:
             stats.record_side_channel_rejected(rejected)
+        if refused:
+            stats.record_auth_refusals(refused)
         if waiting is not None:
             stats.set_remote_prefills(*waiting)
         return stats

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from connector.telemetry.span_table import SpanTable
     from connector.telemetry.stats import ObservedNixlStats
     from connector.telemetry.tracing import SpanEmitter
+    from connector.trust.secret import PeerSecret
     from connector.vocabulary import (
         InternalStep,
         PushFailOutcome,
@@ -84,6 +85,7 @@ class Flow:
     _kv_role: str
     _retry_policy: RetryPolicy
     _handshake_timeout_ms: int
+    _peer_secret: PeerSecret | None  # the deployment's secret (connector/trust), if set
     _in_flight: InFlight
     # D: registration handed to the worker until the KV landed, failed or expired.
     _receive_clock: ReceiveClock

@@ -60,6 +60,7 @@ from connector.telemetry.record import (
 )
 from connector.telemetry.savings import LocalLayout, LocalListLedger, shape_aware_saving
 from connector.telemetry.tracing import peer_str
+from connector.trust.secret import load_secret
 from connector.vocabulary import (
     Attr,
     Direction,
@@ -110,6 +111,8 @@ class HandshakeFlow(Flow):
     def _init_handshakes(self) -> None:
         extra = self.kv_transfer_config.get_from_extra_config
         self._handshake_timeout_ms = int(settings.read(extra, settings.HANDSHAKE_TIMEOUT_MS))
+        # The deployment's secret (connector/trust), or None: vLLM's unauthenticated exchange.
+        self._peer_secret = load_secret(extra)
         concurrency = int(settings.read(extra, settings.HANDSHAKE_CONCURRENCY))
         if concurrency < 1:
             raise ValueError(f"handshake_concurrency must be >= 1, got {concurrency}")
@@ -334,11 +337,13 @@ class HandshakeFlow(Flow):
         target_ranks = self.transfer_topo.handshake_target_ranks(record.remote_tp_size, remote_dcp_size)
         agents: dict[tuple[int, int], str] = {}
         best_rtt, best_offset = float("inf"), 0.0
-        with SideChannelClient(record.host, record.port, self._handshake_timeout_ms) as channel:
+        with SideChannelClient(record.host, record.port, self._handshake_timeout_ms,
+                               secret=self._peer_secret) as channel:
             for pp_rank, tp_rank in itertools.product(range(record.remote_pp_size), target_ranks):
                 record.set_rank(pp_rank, tp_rank)
                 record.enter(Phase.METADATA_FETCH)
                 reply = channel.fetch(pp_rank, tp_rank)
+                record.authenticated = reply.authenticated
                 if reply.rtt < best_rtt:
                     best_rtt, best_offset = reply.rtt, reply.clock_offset
                 record.enter(Phase.METADATA_DECODE)

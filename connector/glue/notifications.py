@@ -26,6 +26,11 @@ matched). A handler that raises costs its one notification, never the batch: the
 failure is logged at ERROR with what was lost and counted (`internal_errors`), a
 PUSH_FAIL's receive is given up (it fails at its safe point), and a completion still
 reaches vLLM.
+With the deployment's secret (`auth`), every notification this worker sends (its own,
+vLLM's, and the completion a WRITE carries) is wrapped with a MAC and the sender's
+engine id (connector/trust/proofs.py), and every batch read is unwrapped first: a
+notification without a valid MAC is dropped before anything reads it, counted and
+logged (once per peer agent), so a forged PUSH_REG never reaches the match.
 Every other attribute of the agent is bound straight through on first use.
 """
 
@@ -39,7 +44,15 @@ from enum import Enum
 from typing import Any
 
 from connector.glue.wire import HEARTBEAT_PREFIX, PUSH_REG_PREFIX
-from connector.vocabulary import KV_DIGEST_NOTIF_PREFIX, PUSH_FAIL_NOTIF_PREFIX, InternalStep
+from connector.trust import refusals
+from connector.trust.proofs import unwrap_notif, wrap_notif
+from connector.trust.secret import PeerSecret
+from connector.vocabulary import (
+    KV_DIGEST_NOTIF_PREFIX,
+    PUSH_FAIL_NOTIF_PREFIX,
+    AuthChannel,
+    InternalStep,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +95,39 @@ class Owners:
     fault: Callable[[InternalStep, str], None]  # log and count (the worker's `_internal_error`)
 
 
+@dataclass(frozen=True)
+class NotifAuth:
+    """The secret and this engine's id, as every notification it sends carries them."""
+
+    secret: PeerSecret
+    sender: bytes
+
+    def wrap(self, message: bytes | str) -> bytes:
+        return wrap_notif(self.secret, self.sender, message.encode() if isinstance(message, str) else message)
+
+    def unwrap(self, notifs: dict[Any, list[bytes]]) -> dict[Any, list[bytes]]:
+        """The batch with every notification's MAC checked and stripped; the others dropped."""
+        for agent, messages in notifs.items():
+            kept = []
+            for data in messages:
+                message, sender, refusal = unwrap_notif(self.secret, data)
+                if refusal is None:
+                    kept.append(message)
+                    continue
+                refusals.note(AuthChannel.NOTIFICATION, refusal, f"NIXL agent {agent!r}",
+                              f"a {kind_of(data).value} notification ({len(data)} bytes, claimed sender "
+                              f"{sender.decode(errors='replace')!r}) without a valid MAC; dropped")
+            notifs[agent] = kept
+        return notifs
+
+
 class NotificationRouter:
     """Wraps the worker's NIXL agent; see module docstring."""
 
-    def __init__(self, agent: Any, owners: Owners):
+    def __init__(self, agent: Any, owners: Owners, auth: NotifAuth | None = None):
         object.__setattr__(self, "_agent", agent)
         object.__setattr__(self, "_owners", owners)
+        object.__setattr__(self, "_auth", auth)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._agent, name)
@@ -97,7 +137,7 @@ class NotificationRouter:
     def interpose(self, factory: Any) -> Any:
         """Put `factory(agent)` below every wrapper of the fork (the harness's fault layer:
         the router then routes what the 'network' delivered); returns it."""
-        for name in [n for n in self.__dict__ if n not in ("_agent", "_owners")]:
+        for name in [n for n in self.__dict__ if n not in ("_agent", "_owners", "_auth")]:
             del self.__dict__[name]
         inner = self._agent
         if hasattr(type(inner), "interpose"):
@@ -106,9 +146,23 @@ class NotificationRouter:
         object.__setattr__(self, "_agent", wrapped)
         return wrapped
 
+    def send_notif(self, remote_agent_name: Any, notif_msg: bytes | str = b"", *args: Any,
+                   **kwargs: Any) -> Any:
+        if self._auth is not None:
+            notif_msg = self._auth.wrap(notif_msg)
+        return self._agent.send_notif(remote_agent_name, *args, notif_msg=notif_msg, **kwargs)
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        """A WRITE (its completion notification wrapped, with the secret)."""
+        if self._auth is not None and kwargs.get("notif_msg"):
+            kwargs["notif_msg"] = self._auth.wrap(kwargs["notif_msg"])
+        return self._agent.make_prepped_xfer(*args, **kwargs)
+
     def get_new_notifs(self) -> Any:
         """vLLM's writer, once per pass: the batch, routed; then the writer's due work."""
         notifs = self._agent.get_new_notifs()
+        if notifs and self._auth is not None:
+            notifs = self._auth.unwrap(notifs)
         if notifs:
             notifs = self.route(notifs)
         try:

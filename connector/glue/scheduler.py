@@ -46,10 +46,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
 
 from connector import settings
 from connector.glue import listener
+from connector.glue.auth_listener import authenticated_listener
 from connector.glue.wire import prompt_digest
 from connector.integrity.escalation import Escalation
 from connector.integrity.policy import VerifyPolicy
 from connector.telemetry.tracing import trace_carrier
+from connector.trust.secret import load_secret
 from connector.vocabulary import (
     METADATA_DIGEST_ATTR,
     METADATA_GIVEN_UP_ATTR,
@@ -117,6 +119,8 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
         forget_s = float(settings.read(extra, settings.PEER_FORGET_AFTER_S))
         self._escalation = (None if kv.kv_role == "kv_producer" else
                             Escalation(policy, lease_s=settings.lease_s(extra), forget_after_s=forget_s))
+        # The deployment's secret: with it, the side channel answers only peers that prove it.
+        self._peer_secret = load_secret(extra)
 
     def on_new_request(self, request: Request) -> None:
         super().on_new_request(request)
@@ -152,11 +156,13 @@ class ObservedPushScheduler(NixlPushConnectorScheduler):
         self._waiting_report_owed = bool(self._waiting_since)
         return len(self._waiting_since), oldest
 
-    @staticmethod
-    def _nixl_handshake_listener(encoded_data: Any, ready_event: Any, stop_event: Any,
+    def _nixl_handshake_listener(self, encoded_data: Any, ready_event: Any, stop_event: Any,
                                  host: str, port: int) -> None:
-        listener.supervise(NixlPushConnectorScheduler._nixl_handshake_listener, encoded_data,
-                           ready_event, stop_event, host, port)
+        """vLLM's listener (thread target), supervised; with the secret, ours
+        (connector/glue/auth_listener.py: vLLM's has no seam for a check)."""
+        serve = (NixlPushConnectorScheduler._nixl_handshake_listener if self._peer_secret is None
+                 else authenticated_listener(self._peer_secret))
+        listener.supervise(serve, encoded_data, ready_event, stop_event, host, port)
 
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
         super().set_xfer_handshake_metadata(metadata)

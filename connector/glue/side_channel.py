@@ -5,6 +5,11 @@ vLLM's handshake sends `(GET_META_MSG, pp_rank, tp_rank)` to the peer's
 peer's perf_counter. We do the same exchange, but tell apart "no TCP connection
 could be made" (unreachable) from "connected, no answer" (timeout) by watching the
 socket's connect events, and raise errors that say what to check.
+
+With the deployment's secret (`side_channel_secret_file`), the exchange is the challenge
+and response of connector/trust/proofs.py: the client proves the secret, checks the
+peer's proof before it reads the metadata, and refuses (counts, logs, fails the
+handshake as `unauthenticated`) a peer that does not prove it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_
 from vllm.utils.network_utils import make_zmq_path
 
 from connector.telemetry.record import HandshakeError
-from connector.vocabulary import ErrorType
+from connector.trust import refusals
+from connector.trust.proofs import (
+    CHALLENGE,
+    HELLO,
+    REFUSED,
+    answer_proof_ok,
+    new_nonce,
+    request_proof,
+)
+from connector.trust.secret import PeerSecret
+from connector.vocabulary import AuthChannel, AuthRefusal, ErrorType
 
 
 @dataclass
@@ -28,6 +43,7 @@ class MetadataReply:
     remote_perf_counter: float
     sent_at: float
     received_at: float
+    authenticated: bool = False  # both sides proved the deployment's secret
 
     @property
     def rtt(self) -> float:
@@ -41,8 +57,9 @@ class MetadataReply:
 class SideChannelClient:
     """A REQ socket to one peer's side channel; use as a context manager."""
 
-    def __init__(self, host: str, port: int, timeout_ms: int):
+    def __init__(self, host: str, port: int, timeout_ms: int, secret: PeerSecret | None = None):
         self.path = make_zmq_path("tcp", host, port)
+        self.secret = secret
         self.timeout_ms = timeout_ms
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.REQ)
@@ -75,11 +92,56 @@ class SideChannelClient:
         return self._connected
 
     def fetch(self, pp_rank: int, tp_rank: int) -> MetadataReply:
-        """Ask for one rank's handshake payload."""
+        """Ask for one rank's handshake payload (with the secret: proving it, and checking
+        the peer's proof)."""
+        if self.secret is not None:
+            return self._fetch_authenticated(self.secret, pp_rank, tp_rank)
         sent_at = time.perf_counter()
         self._sock.send(msgspec.msgpack.encode((GET_META_MSG, pp_rank, tp_rank)))
+        parts = self._receive(pp_rank, tp_rank)
+        received_at = time.perf_counter()
+        if len(parts) == 2 and parts[0] == REFUSED:
+            raise HandshakeError(
+                ErrorType.UNAUTHENTICATED,
+                f"NIXL side channel {self.path} refused us ({parts[1].decode(errors='replace')}): it "
+                "requires the deployment's secret; set side_channel_secret_file on this engine too")
+        if len(parts) != 2:
+            raise HandshakeError(
+                ErrorType.DECODE_ERROR,
+                f"NIXL side channel {self.path} sent {len(parts)} frames, expected 2",
+            )
+        return MetadataReply(parts[0], self._stamp(parts[1]), sent_at, received_at)
+
+    def _fetch_authenticated(self, secret: PeerSecret, pp_rank: int, tp_rank: int) -> MetadataReply:
+        self._sock.send(msgspec.msgpack.encode((HELLO, pp_rank, tp_rank)))
+        parts = self._receive(pp_rank, tp_rank)
+        if len(parts) != 2 or parts[0] != CHALLENGE:
+            self._refuse(AuthRefusal.PEER_NOT_AUTHENTICATING,
+                         "it answered without a challenge: it runs without side_channel_secret_file, or is "
+                         "stock vLLM")
+        nonce_s, nonce_c = parts[1], new_nonce()
+        proof = request_proof(secret, nonce_s, nonce_c, pp_rank, tp_rank)
+        sent_at = time.perf_counter()
+        self._sock.send(msgspec.msgpack.encode((GET_META_MSG, pp_rank, tp_rank, [nonce_s, nonce_c, proof])))
+        parts = self._receive(pp_rank, tp_rank)
+        received_at = time.perf_counter()
+        if len(parts) == 2 and parts[0] == REFUSED:
+            raise HandshakeError(
+                ErrorType.UNAUTHENTICATED,
+                f"NIXL side channel {self.path} refused our proof ({parts[1].decode(errors='replace')}): "
+                "the two engines hold different secrets")
+        if len(parts) != 3 or not answer_proof_ok(secret, parts[2], nonce_s, nonce_c, parts[0], parts[1]):
+            self._refuse(AuthRefusal.PEER_BAD_PROOF, "its answer does not prove the secret (another secret)")
+        return MetadataReply(parts[0], self._stamp(parts[1]), sent_at, received_at, authenticated=True)
+
+    def _refuse(self, reason: AuthRefusal, detail: str) -> None:
+        refusals.note(AuthChannel.SIDE_CHANNEL, reason, self.path, detail + "; its metadata not used")
+        raise HandshakeError(ErrorType.UNAUTHENTICATED,
+                             f"NIXL side channel {self.path}: {detail}; refusing its metadata")
+
+    def _receive(self, pp_rank: int, tp_rank: int) -> list[bytes]:
         try:
-            parts = self._sock.recv_multipart()
+            return self._sock.recv_multipart()
         except zmq.Again as exc:
             if self._saw_connection():
                 raise HandshakeError(
@@ -94,16 +156,11 @@ class SideChannelClient:
                 f"{self.timeout_ms} ms. Check that the peer engine is running and that "
                 "remote_host/remote_port match its VLLM_NIXL_SIDE_CHANNEL_HOST/PORT.",
             ) from exc
-        received_at = time.perf_counter()
-        if len(parts) != 2:
-            raise HandshakeError(
-                ErrorType.DECODE_ERROR,
-                f"NIXL side channel {self.path} sent {len(parts)} frames, expected 2",
-            )
+
+    def _stamp(self, frame: bytes) -> float:
         try:
-            remote_perf = float(msgspec.msgpack.decode(parts[1]))
+            return float(msgspec.msgpack.decode(frame))
         except (msgspec.DecodeError, TypeError, ValueError) as exc:
             raise HandshakeError(
                 ErrorType.DECODE_ERROR, f"bad timestamp frame from {self.path}: {exc}"
             ) from exc
-        return MetadataReply(parts[0], remote_perf, sent_at, received_at)

@@ -41,7 +41,7 @@ from connector.glue.host_settings import HostSettings
 from connector.glue.integrity import IntegrityFlow
 from connector.glue.leases import LeaseFlow
 from connector.glue.nixl_progress import EXTRA_CONFIG_KEY as PROGRESS_DELAY_KEY
-from connector.glue.notifications import NotificationRouter, Owners
+from connector.glue.notifications import NotifAuth, NotificationRouter, Owners
 from connector.glue.peers import PeerFlow
 from connector.glue.push import PushFlow
 from connector.glue.receive import ReceiveFlow
@@ -57,6 +57,7 @@ from connector.telemetry.receives import ReceiveClock
 from connector.telemetry.span_table import SpanTable
 from connector.telemetry.stats import ObservedNixlStats
 from connector.telemetry.tracing import SpanEmitter, resolve_tracer, span_ids
+from connector.trust import refusals
 from connector.vocabulary import (
     METADATA_GIVEN_UP_ATTR,
     METADATA_TRACE_ATTR,
@@ -124,13 +125,14 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         self._start_idle_poll()
         # vLLM's writer reads NIXL notifications through this (connector/glue/notifications.py);
         # handshakes' NIXL calls are measured below it (telemetry/handshake_calls.py).
+        auth = NotifAuth(self._peer_secret, str(engine_id).encode()) if self._peer_secret else None
         self.nixl_wrapper = NotificationRouter(HandshakeCallObserver(self.nixl_wrapper), Owners(
             contact=self._connections.heard_from, heartbeat=self._renew_from,
             push_fail=self._push_fail_from, push_fail_lost=self._push_fail_lost,
             kv_digest=self._kv_digest_from if self._kv_role != "kv_producer" else None,
             completion=self._write_landed_from if self._kv_role != "kv_producer" else None,
             after_pass=self._writer_due_work if self._kv_role != "kv_consumer" else _nothing,
-            fault=self._internal_error))
+            fault=self._internal_error), auth=auth)
 
     @classmethod
     def without_engine(cls, kv_role: str, *, extra: dict[str, Any] | None = None, tracer: Any = None,
@@ -149,6 +151,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         worker._handshake_futures, worker._engine_clock_offset, worker._engine_last_active = {}, {}, {}
         worker._failed_recv_reqs = queue.Queue()  # (vLLM's: the receives failed for its next step)
         worker._handshake_pool = handshake_pool
+        worker._peer_secret = None
         worker._retry_policy = RetryPolicy.from_extra_config(lambda key, default=None: get(key, default))
         worker._init_state(lambda key, default=None: get(key, default), tracer)
         worker._init_push(lambda key, default=None: get(key, default))
@@ -260,7 +263,7 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
         """vLLM's per-step stats, plus the in-flight handshakes, the leases held and
         telemetry faults."""
         if self._in_flight.to_report or errors.pending or len(self._leases) or \
-                self._leases_report_owed:
+                self._leases_report_owed or refusals.pending:
             try:
                 snapshot = self._in_flight.snapshot()
                 if snapshot is not None:
@@ -270,6 +273,9 @@ class ObservedPushWorker(HandshakeFlow, ReceiveFlow, PushFlow, LeaseFlow, PeerFl
                 lost = errors.drain()
                 if lost:
                     self.xfer_stats.record_telemetry_errors(lost)
+                refused = refusals.drain()
+                if refused:
+                    self.xfer_stats.record_auth_refusals(refused)
             except Exception as exc:
                 errors.note(TelemetryError.STATS, exc)
         if self._agent_name is not None and not self.xfer_stats.is_empty():

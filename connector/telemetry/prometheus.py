@@ -138,6 +138,9 @@ class ObservedPromMetrics(NixlPromMetrics):
             for reason in V.KvVerifyReason:
                 self._child(V.KV_VERIFY, idx, verdict.value, reason.value)
         self._child(V.KV_DIGEST_DURATION, idx)
+        for channel in V.AuthChannel:
+            for refusal in V.AuthRefusal:
+                self._child(V.PEER_AUTH_REFUSALS, idx, channel.value, refusal.value)
 
     # -- start-up guard verdict (connector/glue/guard.py) ----------------------------
     def _init_degraded_gauge(self, labelnames: list[str], degraded: Callable[[], bool]) -> None:
@@ -408,6 +411,11 @@ def _kv_verify(value: Any) -> tuple[str, str]:
     return V.KvVerifyOutcome(outcome).value, V.KvVerifyReason(reason).value
 
 
+def _auth_refusal(value: Any) -> tuple[str, str]:
+    channel, reason = str(value).split("|")
+    return V.AuthChannel(channel).value, V.AuthRefusal(reason).value
+
+
 def _peer_reset(value: Any) -> tuple[str, str]:
     direction, reason = str(value).split("|")
     return V.Direction(direction).value, V.PeerReset(reason).value
@@ -418,6 +426,7 @@ _PAIRED: tuple[tuple[Any, ...], ...] = (
     (StatKey.PEER_RESETS, V.PEER_RESETS, _peer_reset),
     (StatKey.PUSH_FAILS, V.PUSH_FAIL_NOTIFS, _push_fail),
     (StatKey.KV_VERIFY, V.KV_VERIFY, _kv_verify),
+    (StatKey.AUTH_REFUSALS, V.PEER_AUTH_REFUSALS, _auth_refusal),
 )
 
 # Stats keys holding counts, with the metric (and label value) they add to.

@@ -112,6 +112,7 @@ class HandshakeRecord:
     attempt: int = 1
     after_reset: str = ""  # PeerReset value when this handshake replaces a dropped connection
     peer_restarted: bool = False  # the peer came back with a new NIXL agent
+    authenticated: bool = False  # the side channel proved the deployment's secret both ways
     # A failed attempt the handshake retries: its phase failure and any descriptors it
     # prepared count, the handshake itself counts once, with its final attempt.
     retried: bool = False

@@ -112,6 +112,10 @@ class ObservedNixlStats(NixlKVConnectorStats):
     def record_telemetry_errors(self, reasons: dict[str, int]) -> None:
         self._extend_counts(StatKey.TELEMETRY_ERRORS, reasons)
 
+    def record_auth_refusals(self, refusals: dict[str, int]) -> None:
+        """{"channel|reason": count} (connector/trust/refusals.py, drained)."""
+        self._extend_counts(StatKey.AUTH_REFUSALS, refusals)
+
     def record_side_channel_rejected(self, reasons: dict[str, int]) -> None:
         self._extend_counts(StatKey.SIDE_CHANNEL_REJECTED, reasons)
 

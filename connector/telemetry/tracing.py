@@ -358,6 +358,7 @@ class SpanEmitter:
         failed = record.outcome is Outcome.FAILURE
         attrs = {
             Attr.NOTIF_AGENTS_ONLY: record.notif_only,
+            Attr.PEER_AUTHENTICATED: record.authenticated,
             Attr.DIRECTION: record.direction.value,
             Attr.TRIGGER: record.trigger.value,
             Attr.OUTCOME: (record.outcome or Outcome.FAILURE).value,

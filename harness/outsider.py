@@ -1,0 +1,80 @@
+"""A process outside the deployment that tries what the trust boundary must stop.
+
+Run on a host of its own (a network namespace on the demo's bridge):
+`python -m harness.outsider --side-channel HOST:PORT [--metadata FILE --request-id ID
+[--wrong-secret-file F]]`. It prints one JSON line and then waits for its stdin to close
+(so what it sent is still in flight while the test looks at the engine):
+- `fetch`: it asks the engine's side channel for rank (0, 0)'s metadata exactly as
+  vLLM's handshake does (`(GET_META_MSG, 0, 0)`): `"got N bytes"` or `"refused: ..."`;
+- with `--metadata` (metadata the test hands it, as an agent that held it before the
+  secret was set would have it): it loads the engine's NIXL agent and sends it a forged
+  PUSH_REG for request `--request-id`, naming its own blocks, once bare and, with
+  `--wrong-secret-file`, once wrapped with a MAC under another secret.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+
+import msgspec
+
+
+def _fetch(host: str, port: int) -> str:
+    from connector.glue.side_channel import SideChannelClient
+    from connector.telemetry.record import HandshakeError
+
+    try:
+        with SideChannelClient(host, port, 5000) as channel:
+            return f"got {len(channel.fetch(0, 0).payload)} bytes"
+    except HandshakeError as exc:
+        return f"refused: {exc.error_type.value}: {exc}"
+
+
+def _forge(metadata: bytes, request_id: str, wrong_secret: str | None) -> int:
+    from nixl._api import nixl_agent, nixl_agent_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlAgentMetadata,
+        NixlHandshakePayload,
+    )
+
+    from connector.trust.proofs import wrap_notif
+    from connector.trust.secret import PeerSecret
+
+    payload = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(metadata)
+    meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
+    agent = nixl_agent(f"outsider-{secrets.token_hex(4)}", nixl_agent_config(backends=["UCX"]))
+    remote = agent.add_remote_agent(meta.agent_metadata)
+    forged = b"PUSH_REG:" + msgspec.msgpack.encode({
+        "request_id": request_id, "decode_engine_id": "outsider", "decode_host": "outsider",
+        "decode_port": 1, "decode_tp_size": 1, "local_block_ids": [[0, 1, 2, 3]]})
+    messages = [forged]
+    if wrong_secret:
+        messages.append(wrap_notif(PeerSecret(wrong_secret, 0), b"decode-0", forged))
+    for message in messages:
+        agent.send_notif(remote, notif_msg=message)
+    return len(messages)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.outsider", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--side-channel", required=True, help="HOST:PORT of the engine's side channel")
+    parser.add_argument("--metadata", help="a file with the engine's rank-0 handshake payload")
+    parser.add_argument("--request-id", default="forged")
+    parser.add_argument("--wrong-secret-file")
+    args = parser.parse_args(argv)
+    host, _, port = args.side_channel.rpartition(":")
+    out: dict[str, object] = {"fetch": _fetch(host, int(port))}
+    if args.metadata:
+        with open(args.metadata, "rb") as f:
+            out["forged_sent"] = _forge(f.read(), args.request_id, args.wrong_secret_file)
+    print(json.dumps(out), flush=True)
+    sys.stdin.read()  # (until the test closes it: what was sent stays in flight meanwhile)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
