@@ -2,7 +2,7 @@
 
 Run on a host of its own (a network namespace on the demo's bridge):
 `python -m harness.outsider --side-channel HOST:PORT [--metadata FILE --request-id ID
-[--wrong-secret-file F]]`. It prints one JSON line and then waits for its stdin to close
+[--wrong-secret-file F]]`. It prints one line, `OUTSIDER-RESULT <json>`, and then waits for its stdin to close
 (so what it sent is still in flight while the test looks at the engine):
 - `fetch`: it asks the engine's side channel for rank (0, 0)'s metadata exactly as
   vLLM's handshake does (`(GET_META_MSG, 0, 0)`): `"got N bytes"` or `"refused: ..."`;
@@ -16,10 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import msgspec
+
+RESULT_PREFIX = "OUTSIDER-RESULT "
 
 
 def _fetch(host: str, port: int) -> str:
@@ -58,6 +64,40 @@ def _forge(metadata: bytes, request_id: str, wrong_secret: str | None) -> int:
     return len(messages)
 
 
+class Outsider:
+    """This tool run on `host` (demo.network.Host) against `side_channel`, its result read;
+    stopped (by pid) on exit. Its stderr goes to `log`."""
+
+    def __init__(self, host: Any, side_channel: str, log: Path, *args: str):
+        repo = Path(__file__).resolve().parents[1]
+        env = {**os.environ, "PYTHONPATH": str(repo), "UCX_TLS": "tcp", "HF_HUB_OFFLINE": "1"}
+        self.log = open(log, "ab")  # noqa: SIM115 (closed in __exit__)
+        argv = [sys.executable, "-m", "harness.outsider", "--side-channel", side_channel, *args]
+        self.proc = subprocess.Popen(host.command(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, env=env, cwd=repo)
+        line = b""
+        while self.proc.stdout and not line.startswith(RESULT_PREFIX.encode()):
+            line = self.proc.stdout.readline()
+            if not line:
+                self.__exit__()
+                raise RuntimeError(f"the outsider gave no result (exit {self.proc.poll()}); see {log}")
+        self.result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX):])
+
+    def __enter__(self) -> Outsider:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.proc.stdin and not self.proc.stdin.closed:
+                self.proc.stdin.close()
+            self.proc.wait(30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+            self.log.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.outsider", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.metadata:
         with open(args.metadata, "rb") as f:
             out["forged_sent"] = _forge(f.read(), args.request_id, args.wrong_secret_file)
-    print(json.dumps(out), flush=True)
+    print(RESULT_PREFIX + json.dumps(out), flush=True)  # (NIXL logs to stdout too)
     sys.stdin.read()  # (until the test closes it: what was sent stays in flight meanwhile)
     return 0
 

@@ -71,6 +71,7 @@ from demo.engines import (
 )
 from demo.network import unavailable_reason
 from demo.stack import JOB, NIXL_JOB, EngineOptions, Stack
+from harness.outsider import Outsider
 from harness.poll import wait_until
 
 pytestmark = [pytest.mark.real, pytest.mark.prometheus, pytest.mark.serve, pytest.mark.timeout(1200)]
@@ -268,6 +269,17 @@ def test_nixls_own_exporter_counts_exactly_the_bytes_and_writes_the_engines_repo
         assert q.ok and q.series, f"{q.panel} {q.ref_id} returned no data: {q.expr}"
     difference = next(q for q in answers if q.panel == "Engine bytes minus NIXL's (range)")
     assert [v for _, v in difference.values()] == [0.0]
+
+
+@pytest.mark.skipif(not HOSTS, reason="needs network namespaces: the outsider runs on a host of its own")
+def test_without_the_secret_an_outsider_gets_the_metadata_as_vllm_does_today(stack: Stack) -> None:
+    """The trust boundary as vLLM ships it: anything that reaches P's side channel, here a
+    process on the router's host, gets the metadata that reads P's KV (with
+    side_channel_secret_file it does not: tests/test_trust_serve.py)."""
+    assert stack.network is not None and stack.prefill is not None
+    log = stack.workdir / "outsider.log"
+    with Outsider(stack.network["obs"], stack.prefill.side_channel, log) as outsider:
+        assert outsider.result["fetch"].startswith("got "), outsider.result
 
 
 def test_streamed_completion_through_the_router_equals_the_reference(stack: Stack) -> None:

@@ -264,7 +264,7 @@ class PeerFlow(Flow):
 
     def _probe(self, engine_id: str, host: str, port: int) -> None:
         try:
-            with SideChannelClient(host, port, PROBE_TIMEOUT_MS) as channel:
+            with SideChannelClient(host, port, PROBE_TIMEOUT_MS, secret=self._peer_secret) as channel:
                 channel.fetch(0, 0)
         except Exception as exc:
             self._connections.probe_failed(engine_id)
