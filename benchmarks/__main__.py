@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "kv-verify": "benchmarks.kv_verify",
     "engine-cpu": "benchmarks.engine_cpu",
     "depth": "benchmarks.depth",
+    "trust": "benchmarks.trust",
 }
 
 
