@@ -32,6 +32,7 @@ from connector.vocabulary import (
 )
 from connector.vocabulary import VLLM_EXTERNAL_PROMPT_TOKENS as EXTERNAL
 from demo import drive, report
+from demo.engines import VllmServer
 from demo.network import unavailable_reason
 from demo.stack import Stack
 from harness.outsider import Outsider
@@ -163,3 +164,30 @@ def test_rotating_the_secret_during_a_stream_of_requests_loses_none(secured: Sta
     host, _, port = secured.prefill.side_channel.rpartition(":")
     with SideChannelClient(host, int(port), 5000, secret=PeerSecret(key_file(secured), 0)) as channel:
         assert channel.fetch(0, 0).authenticated
+
+
+def test_a_stock_decoder_is_refused_cleanly_and_counted(secured: Stack) -> None:
+    """Stock vLLM as the decoder, on the outsider's host, against the secured P: P sends it no
+    metadata and counts it (`no_proof`); its request is recomputed on the stock decoder
+    (kv_load_failure_policy recompute), so its client still gets the right answer; the
+    secured pair goes on serving."""
+    assert secured.network and secured.prefill and secured.router and secured.model
+    before = refused(secured.prefill, "side_channel", "no_proof")
+    stock = VllmServer(secured.workdir, name="stock-decode", kv_role="kv_consumer",
+                       engine_id="stock-decode-0", cpu=1, model=secured.model, connector="stock",
+                       host=secured.network["outsider"],
+                       kv_overrides={"kv_load_failure_policy": "recompute"})
+    try:
+        stock.wait_healthy()
+        prompt = drive.make_prompts(1, seed=61)[0]
+        tokens = drive.decode_leg(stock.url, secured.prefill.target(), prompt, "trust-stock-0", MAX_TOKENS)
+        assert tokens == drive.reference(secured.prefill.url, prompt, MAX_TOKENS, salt="trust-stock-ref")
+        assert report.total(report.samples(stock.metrics()), EXTERNAL[0], **EXTERNAL[1]) == 0  # (recomputed)
+    finally:
+        stock.stop()
+        assert stock.leftovers() == []
+    [real] = drive.run(secured.router.url, secured.prefill.url, drive.make_prompts(1, seed=62),
+                       prefix="trust-after-stock", max_tokens=MAX_TOKENS)
+    assert not real.error and real.tokens == real.reference, real.error
+    wait_until(lambda: refused(secured.prefill, "side_channel", "no_proof") > before,
+               "P to count the stock decoder's metadata request", 60, 0.5)
