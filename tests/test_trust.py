@@ -173,3 +173,37 @@ def test_an_unusable_secret_file_stops_the_engine(tmp_path: Path, content: bytes
         load_secret({"side_channel_secret_file": str(secret_file(tmp_path, KEY_A)),
                      "side_channel_secret_previous_s": -1}.get)
     assert load_secret({}.get) is None
+
+
+def test_the_router_wraps_what_it_sends_and_drops_what_fails_before_any_owner_sees_it(tmp_path: Path):
+    """A narrow unit test of the seam (the real agents are in tests/test_trust_serve.py)."""
+    from connector.glue.notifications import NotifAuth, NotificationRouter, Owners
+
+    secret = PeerSecret(secret_file(tmp_path, KEY_A), 300)
+    sent: list[tuple[str, bytes]] = []
+    seen: list[tuple[str, bytes]] = []
+    contacts: list[str] = []
+
+    class Agent:
+        batch: dict[str, list[bytes]] = {}
+
+        def send_notif(self, name: str, notif_msg: bytes) -> None:
+            sent.append((name, notif_msg))
+
+        def get_new_notifs(self) -> dict[str, list[bytes]]:
+            return self.batch
+
+    def noop(*_: object) -> None:
+        return None
+
+    router = NotificationRouter(Agent(), Owners(
+        contact=lambda agent, _now: contacts.append(agent), heartbeat=lambda a, m: seen.append((a, m)),
+        push_fail=noop, push_fail_lost=noop, completion=None, kv_digest=None, after_pass=noop, fault=noop),
+        auth=NotifAuth(secret, b"decode-0"))
+    router.send_notif("p-agent", notif_msg="HB:r1")
+    [(name, wire)] = sent
+    assert name == "p-agent" and wire != b"HB:r1" and unwrap_notif(secret, wire)[0] == b"HB:r1"
+    Agent.batch = {"peer": [wire, b"HB:forged"], "outsider": [b"HB:forged"]}
+    assert router.get_new_notifs() == {"peer": []}  # (heartbeats are applied, never forwarded)
+    assert seen == [("peer", b"HB:r1")] and contacts == ["peer"]
+    assert refusals.drain() == {"notification|no_proof": 2}

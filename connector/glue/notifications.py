@@ -106,7 +106,9 @@ class NotifAuth:
         return wrap_notif(self.secret, self.sender, message.encode() if isinstance(message, str) else message)
 
     def unwrap(self, notifs: dict[Any, list[bytes]]) -> dict[Any, list[bytes]]:
-        """The batch with every notification's MAC checked and stripped; the others dropped."""
+        """The batch with every notification's MAC checked and stripped; the others dropped
+        (an agent none of whose notifications held is not in the batch: no contact either)."""
+        out: dict[Any, list[bytes]] = {}
         for agent, messages in notifs.items():
             kept = []
             for data in messages:
@@ -117,8 +119,9 @@ class NotifAuth:
                 refusals.note(AuthChannel.NOTIFICATION, refusal, f"NIXL agent {agent!r}",
                               f"a {kind_of(data).value} notification ({len(data)} bytes, claimed sender "
                               f"{sender.decode(errors='replace')!r}) without a valid MAC; dropped")
-            notifs[agent] = kept
-        return notifs
+            if kept:
+                out[agent] = kept
+        return out
 
 
 class NotificationRouter:
