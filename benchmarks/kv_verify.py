@@ -15,6 +15,19 @@ KV at the demo's prompt sizes and at an 8k-token Llama-3.1-8B prompt (32 layers)
 On CUDA also: how long the host waits for `digest()` while a long kernel is queued on
 the compute stream, against the same digest read back on the compute stream.
 
+Part `alternatives` (torch only, like part 1): the candidates for fusing the digest's
+passes into one, for the Llama-3.1-8B layer at 8 MiB and 64 MiB, side by side with the
+gather and the shipped digest over the same blocks: `torch.compile` of the digest's row
+sums as one function (gather, weighting and row sums: one loop; compiled once, dynamic
+shapes; its compile time is printed), and `torch._int_mm`, an int8 matrix product with
+int32 sums (a fused multiply-and-sum of another definition: the KV's bytes times int8
+weights; timed on the gathered blocks, plus the gather), and a native loop (C++ built
+here with torch's `load_inline`, `-O3 -march=native`: each block read in place, each
+row's weighted lanes summed in 32-bit registers; skipped where no compiler is found).
+Each is checked against its eager form before it is timed. Then one tiny request (the
+demo's 2 layers, 64 tokens, cold): the shipped digest against the native row sums of
+both layers plus the same fold, the fixed cost a thread that digests rarely pays.
+
 Part 2, `serve` (paired on real `vllm serve`): a fresh P/D pair of the fork per
 `kv_verify_ratio` (P and D each pinned to its own core, the project's router, the
 demo's model), a steady stream of `--concurrency` clients with fresh prompts; over a
@@ -56,7 +69,8 @@ REQUESTS = (
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--parts", default="digest,serve", help="comma-separated: digest, serve")
+    ap.add_argument("--parts", default="digest,serve",
+                    help="comma-separated: digest, alternatives, serve")
     ap.add_argument("--device", default="cpu", help="the digest part's device: cpu or cuda")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the digest part")
     ap.add_argument("--repeats", type=int, default=7, help="timings per figure (median)")
@@ -224,6 +238,229 @@ def digest_part(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
     return result
 
 
+# ------------------------------------------------------ part: alternatives
+# A candidate, not shipped: the row sums as one loop that reads each block where it lies.
+# Unsigned 32-bit arithmetic wraps by definition, which is the digest's modulo 2^32.
+_NATIVE_DIGEST = r"""
+#include <torch/extension.h>
+#include <cstdint>
+torch::Tensor row_sums(torch::Tensor lanes, torch::Tensor ids, torch::Tensor weights) {
+  TORCH_CHECK(lanes.dim() == 4 && lanes.is_contiguous() && lanes.scalar_type() == torch::kInt32,
+              "lanes: a contiguous int32 [blocks, heads, slots, lanes] view");
+  TORCH_CHECK(weights.is_contiguous() && weights.scalar_type() == torch::kInt32, "weights: int32");
+  TORCH_CHECK(ids.is_contiguous() && ids.scalar_type() == torch::kInt64, "ids: int64");
+  const int64_t heads = lanes.size(1), slots = lanes.size(2), width = lanes.size(3);
+  const int64_t n = ids.size(0), blocks = lanes.size(0);
+  auto out = torch::empty({n, heads, slots}, lanes.options());
+  const auto* base = reinterpret_cast<const uint32_t*>(lanes.data_ptr<int32_t>());
+  const auto* w = reinterpret_cast<const uint32_t*>(weights.data_ptr<int32_t>());
+  auto* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < blocks, "block id out of range");
+    const uint32_t* block = base + id[i] * heads * slots * width;
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint32_t* wh = w + h * width;
+      for (int64_t s = 0; s < slots; ++s) {
+        const uint32_t* row = block + (h * slots + s) * width;
+        uint32_t sum = 0;
+        for (int64_t l = 0; l < width; ++l) sum += row[l] * wh[l];
+        *o++ = sum;
+      }
+    }
+  }
+  return out;
+}
+
+// The whole digest of several layers in one call: row sums, per token over the heads, times
+// a 64-bit position weight, summed modulo 2^64 (unsigned: wrapping by definition).
+torch::Tensor digest_layers(std::vector<torch::Tensor> lanes, torch::Tensor ids,
+                            std::vector<torch::Tensor> weights, torch::Tensor positions) {
+  TORCH_CHECK(lanes.size() == weights.size(), "one weight tensor per layer");
+  const int64_t n = ids.size(0);
+  auto out = torch::empty({static_cast<int64_t>(lanes.size())}, ids.options());
+  const auto* pos = reinterpret_cast<const uint64_t*>(positions.data_ptr<int64_t>());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (size_t k = 0; k < lanes.size(); ++k) {
+    const auto& t = lanes[k];
+    TORCH_CHECK(t.dim() == 4 && t.is_contiguous() && t.scalar_type() == torch::kInt32, "lanes");
+    const int64_t heads = t.size(1), slots = t.size(2), width = t.size(3);
+    TORCH_CHECK(positions.size(0) >= n * slots, "a position weight per token");
+    const auto* base = reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>());
+    const auto* w = reinterpret_cast<const uint32_t*>(weights[k].data_ptr<int32_t>());
+    uint64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < t.size(0), "block id out of range");
+      const uint32_t* block = base + id[i] * heads * slots * width;
+      for (int64_t s = 0; s < slots; ++s) {
+        uint64_t token = 0;
+        for (int64_t h = 0; h < heads; ++h) {
+          const uint32_t* row = block + (h * slots + s) * width;
+          const uint32_t* wh = w + h * width;
+          uint32_t sum = 0;
+          for (int64_t l = 0; l < width; ++l) sum += row[l] * wh[l];
+          token += sum;
+        }
+        total += token * pos[i * slots + s];
+      }
+    }
+    out[k] = static_cast<int64_t>(total);
+  }
+  return out;
+}
+"""
+
+
+def _native(build_dir: Path) -> Any:
+    """The native candidate's module, built once into `build_dir` (None where it cannot be
+    built)."""
+    from torch.utils.cpp_extension import load_inline
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        module = load_inline("kv_verify_native", cpp_sources=_NATIVE_DIGEST,
+                             functions=["row_sums", "digest_layers"], extra_cflags=["-O3", "-march=native"],
+                             build_directory=str(build_dir))
+    except Exception as exc:  # (no compiler, no ninja: the candidate is left out)
+        print(f"the native candidate could not be built ({type(exc).__name__}: {exc}); left out")
+        return None
+    return module
+
+
+def _row_sums_eager(lanes: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The digest's row sums written as one expression: each row's weighted 32-bit lanes
+    summed modulo 2^32 (what `torch.compile` is asked to fuse)."""
+    return (lanes[ids] * weights).sum(-1, dtype=torch.int32)
+
+
+def alternative_row(timer: Timer, mib: int, compiled: Callable[..., torch.Tensor],
+                    native: Callable[..., torch.Tensor] | None) -> dict[str, Any]:
+    """The Llama-3.1-8B layer at `mib`: gather, shipped digest, compiled row sums, int8
+    GEMM and the native loop, cold and warm, in one run."""
+    _, heads, channels, dtype = LAYERS[-1]
+    block_bytes = heads * BLOCK * 2 * channels * torch.empty((), dtype=dtype).element_size()
+    count = mib * MIB // block_bytes
+    cache = _cache(max(2048, 2 * count), heads, channels, dtype, timer.device)
+    ids = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(mib))[:count]
+    block_ids = ids.tolist()
+    ids = ids.to(timer.device)
+    lanes = cache.view(torch.int32)  # [blocks, heads, slots, 32-bit lanes]
+    gen = torch.Generator().manual_seed(7)
+    weights = (torch.randint(-(1 << 31), 1 << 31, (heads, 1, lanes.shape[-1]), generator=gen,
+                             dtype=torch.int64) | 1).to(torch.int32).to(timer.device)
+    out = torch.empty((count, *cache.shape[1:]), dtype=dtype, device=timer.device)
+    rows_bytes = out.view(torch.int8).view(-1, 2 * channels * out.element_size())
+    int8_weights = torch.randint(-128, 128, (rows_bytes.shape[1], 8), generator=gen,
+                                 dtype=torch.int8).to(timer.device)
+    if not torch.equal(compiled(lanes, ids, weights), _row_sums_eager(lanes, ids, weights)):
+        raise AssertionError("the compiled row sums differ from the eager ones")
+    eager = _row_sums_eager(lanes, ids, weights)
+    if native is not None and not torch.equal(native(lanes, ids, weights), eager):
+        raise AssertionError("the native row sums differ from the eager ones")
+    torch.index_select(cache, 0, ids, out=out)
+    if not torch.equal(torch._int_mm(rows_bytes, int8_weights),
+                       rows_bytes.to(torch.int32) @ int8_weights.to(torch.int32)):
+        raise AssertionError("the int8 GEMM differs from its int32 form")
+
+    def gather_then_gemm() -> None:
+        torch.index_select(cache, 0, ids, out=out)
+        torch._int_mm(rows_bytes, int8_weights)
+
+    fns = {"gather": lambda: torch.index_select(cache, 0, ids, out=out),
+           "digest": lambda: digest([(0, cache)], block_ids, head0=0),
+           "compiled": lambda: compiled(lanes, ids, weights),
+           "int8_gemm": gather_then_gemm}
+    if native is not None:
+        fns["native"] = lambda: native(lanes, ids, weights)
+    row: dict[str, Any] = {"shape": LAYERS[-1][0], "kv_mib": mib, "blocks": count}
+    for cold in (True, False):
+        which = "cold" if cold else "warm"
+        for name, fn in fns.items():
+            row[f"{name}_gbps_{which}"] = mib * MIB / timer.median(fn, cold=cold) / 1e9
+    return row
+
+
+def tiny_request_row(timer: Timer, native: Any) -> dict[str, Any]:
+    """The demo's 64-token request (2 layers), cold: the shipped digest against (a) the
+    native row sums of each layer plus a fold like the digest's in torch (to 64 bits, per
+    token, times a position weight, summed, read back) and (b) the whole digest in one
+    native call: the fixed cost of a digest."""
+    name, layers, heads, channels, dtype, tokens = REQUESTS[0]
+    blocks = -(-tokens // BLOCK)
+    caches = [(layer, _cache(blocks + 8, heads, channels, dtype, timer.device, seed=layer))
+              for layer in range(layers)]
+    block_ids = list(range(4, 4 + blocks))
+    width = 2 * channels * torch.empty((), dtype=dtype).element_size() // 4
+    weights = [torch.full((heads, 1, width), 2 * layer + 1, dtype=torch.int32) for layer in range(layers)]
+    positions = torch.arange(1, 2 * tokens, 2, dtype=torch.int64)
+
+    def native_digest() -> list[int]:
+        ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        rows = torch.stack([native.row_sums(cache.view(torch.int32), ids, w)
+                            for (_, cache), w in zip(caches, weights, strict=True)])
+        per_token = rows.to(torch.int64).bitwise_and_(0xFFFFFFFF).sum(-2).flatten(-2)
+        return per_token.mul_(positions[:per_token.shape[-1]]).sum(-1).tolist()
+
+    lanes = [cache.view(torch.int32) for _, cache in caches]
+
+    def one_call() -> list[int]:
+        ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        return native.digest_layers(lanes, ids, weights, positions).tolist()
+
+    if one_call() != native_digest():
+        raise AssertionError("the one-call native digest differs from row sums and fold")
+    shipped = timer.median(lambda: digest(caches, block_ids, head0=0), cold=True)
+    rows_and_fold = timer.median(native_digest, cold=True)
+    whole = timer.median(one_call, cold=True)
+    return {"shape": name, "shipped_ms": shipped * 1e3, "native_rows_torch_fold_ms": rows_and_fold * 1e3,
+            "native_one_call_ms": whole * 1e3}
+
+
+def alternatives_part(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    timer = Timer(device, args.repeats)
+    t = time.perf_counter()
+    compiled = torch.compile(_row_sums_eager, dynamic=True)
+    probe = torch.zeros((4, 2, BLOCK, 8), dtype=torch.int32, device=device)
+    compiled(probe, torch.tensor([1, 0], device=device), torch.ones((2, 1, 8), dtype=torch.int32,
+                                                                   device=device))
+    compile_s = time.perf_counter() - t
+    bench.say(f"alternatives on {device}: torch.compile of the row sums took {compile_s:.1f} s")
+    native, build_s = None, None
+    if device.type == "cpu":
+        t = time.perf_counter()
+        native = _native(bench.dir / "native-build")
+        build_s = time.perf_counter() - t
+        bench.say(f"the native loop built in {build_s:.1f} s" if native else "no native loop")
+    names = ["digest", "compiled", "int8_gemm"] + (["native"] if native else [])
+    rows = []
+    for mib in SIZES_MIB:
+        row = alternative_row(timer, mib, compiled, native.row_sums if native else None)
+        rows.append(row)
+        for which in ("cold", "warm"):
+            g = row[f"gather_gbps_{which}"]
+            bench.say(f"{row['shape']}, {mib} MiB, {which}: gather {g:.1f} GB/s; "
+                      + "; ".join(f"{name} {row[f'{name}_gbps_{which}']:.1f} GB/s "
+                                  f"({row[f'{name}_gbps_{which}'] / g:.0%})" for name in names))
+    tiny = tiny_request_row(timer, native) if native else None
+    if tiny:
+        bench.say(f"one request, {tiny['shape']}, cold: shipped digest {tiny['shipped_ms']:.3f} ms, "
+                  f"native row sums and torch's fold {tiny['native_rows_torch_fold_ms']:.3f} ms, "
+                  f"the whole digest in one native call {tiny['native_one_call_ms']:.3f} ms")
+    titles = {"digest": "digest (shipped)", "compiled": "torch.compile row sums",
+              "int8_gemm": "gather + int8 GEMM", "native": "native loop"}
+    print("\nMiB | caches | gather GB/s | " + " | ".join(titles[n] for n in names))
+    for r in rows:
+        for which in ("cold", "warm"):
+            g = r[f"gather_gbps_{which}"]
+            print(f"{r['kv_mib']} | {which} | {g:.1f} | "
+                  + " | ".join(f"{r[f'{n}_gbps_{which}']:.1f} ({r[f'{n}_gbps_{which}'] / g:.0%})"
+                               for n in names))
+    return {"device": str(device), "threads": args.threads, "compile_s": compile_s, "native_build_s": build_s,
+            "rows": rows, "tiny_request": tiny}
+
+
 # ------------------------------------------------------------------- part 2
 def timed_stream(*args: Any) -> Any:
     """The overhead benchmark's client stream, with each request's latency kept (imported
@@ -321,6 +558,8 @@ def run(args: argparse.Namespace, bench: BenchRun) -> dict[str, Any]:
     result: dict[str, Any] = {"block_size": BLOCK}
     if "digest" in parts:
         result["digest"] = digest_part(args, bench)
+    if "alternatives" in parts:
+        result["alternatives"] = alternatives_part(args, bench)
     if "serve" in parts:
         result["serve"], result["serve_runs"] = serve_rows(args, bench)
         off = next((r for r in result["serve"] if r["ratio"] == 0), None)

@@ -71,6 +71,20 @@ def test_telemetry_cost_smoke_exports_the_connectors_spans_per_request(tmp_path)
                                         "landed", "stats", "serialise", "observe", "export"}
 
 
+def test_kv_verify_alternatives_checks_each_candidate_against_its_eager_form(tmp_path):
+    # Each candidate is compared with its eager form before it is timed (a wrong kernel
+    # stops the run); the figures land in the JSON for every size and cache state.
+    assert main(["kv-verify", "--parts", "alternatives", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "kv-verify.json").read_text())["alternatives"]
+    assert result["native_build_s"] is not None  # (this machine has a compiler)
+    assert [r["kv_mib"] for r in result["rows"]] == [8, 64]
+    for row in result["rows"]:
+        for name in ("gather", "digest", "compiled", "int8_gemm", "native"):
+            assert row[f"{name}_gbps_cold"] > 0 and row[f"{name}_gbps_warm"] > 0
+    tiny = result["tiny_request"]
+    assert tiny["shipped_ms"] > 0 and tiny["native_rows_torch_fold_ms"] > 0 and tiny["native_one_call_ms"] > 0
+
+
 def test_engine_cpu_names_threads_by_role_and_compares_each_round_with_its_stock_pair():
     from benchmarks.engine_cpu import role, summarize
 
