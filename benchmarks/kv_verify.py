@@ -116,15 +116,22 @@ def _cache(blocks: int, heads: int, channels: int, dtype: torch.dtype, device: t
     return torch.randn((blocks, heads, BLOCK, 2 * channels), generator=gen).to(dtype).to(device)
 
 
-def speed_row(timer: Timer, name: str, heads: int, channels: int, dtype: torch.dtype,
-              mib: int) -> dict[str, Any]:
-    """The digest against a gather of the same blocks, for one layer shape and size."""
+def _scattered(timer: Timer, heads: int, channels: int, dtype: torch.dtype,
+               mib: int) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+    """A cache of at least 2,048 blocks and `mib` MiB of its blocks in a random order: the
+    cache, their ids (on the device and as a list) and one block's bytes."""
     block_bytes = heads * BLOCK * 2 * channels * torch.empty((), dtype=dtype).element_size()
     count = mib * MIB // block_bytes
     cache = _cache(max(2048, 2 * count), heads, channels, dtype, timer.device)
     ids = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(mib))[:count]
-    block_ids = ids.tolist()
-    ids = ids.to(timer.device)
+    return cache, ids.to(timer.device), ids.tolist(), block_bytes
+
+
+def speed_row(timer: Timer, name: str, heads: int, channels: int, dtype: torch.dtype,
+              mib: int) -> dict[str, Any]:
+    """The digest against a gather of the same blocks, for one layer shape and size."""
+    cache, ids, block_ids, block_bytes = _scattered(timer, heads, channels, dtype, mib)
+    count = len(block_ids)
     out = torch.empty((count, *cache.shape[1:]), dtype=dtype, device=timer.device)
     row: dict[str, Any] = {"shape": name, "kv_mib": mib, "blocks": count, "block_kib": block_bytes / 1024}
     for cold in (True, False):
@@ -338,12 +345,8 @@ def alternative_row(timer: Timer, mib: int, compiled: Callable[..., torch.Tensor
     """The Llama-3.1-8B layer at `mib`: gather, shipped digest, compiled row sums, int8
     GEMM and the native loop, cold and warm, in one run."""
     _, heads, channels, dtype = LAYERS[-1]
-    block_bytes = heads * BLOCK * 2 * channels * torch.empty((), dtype=dtype).element_size()
-    count = mib * MIB // block_bytes
-    cache = _cache(max(2048, 2 * count), heads, channels, dtype, timer.device)
-    ids = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(mib))[:count]
-    block_ids = ids.tolist()
-    ids = ids.to(timer.device)
+    cache, ids, block_ids, _ = _scattered(timer, heads, channels, dtype, mib)
+    count = len(block_ids)
     lanes = cache.view(torch.int32)  # [blocks, heads, slots, 32-bit lanes]
     gen = torch.Generator().manual_seed(7)
     weights = (torch.randint(-(1 << 31), 1 << 31, (heads, 1, lanes.shape[-1]), generator=gen,
