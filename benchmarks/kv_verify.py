@@ -158,14 +158,21 @@ def speed_rows(timer: Timer, bench: BenchRun) -> list[dict[str, Any]]:
     return rows
 
 
+def _request_kv(timer: Timer, layers: int, heads: int, channels: int, dtype: torch.dtype,
+                tokens: int) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
+    """One request's KV: a cache per layer (its own values) and the request's blocks in it."""
+    blocks = -(-tokens // BLOCK)
+    caches = [(layer, _cache(blocks + 8, heads, channels, dtype, timer.device, seed=layer))
+              for layer in range(layers)]
+    return caches, list(range(4, 4 + blocks))
+
+
 def request_row(timer: Timer, name: str, layers: int, heads: int, channels: int, dtype: torch.dtype,
                 tokens: int) -> dict[str, Any]:
     """One digest of a request's whole KV, as P computes it before a WRITE and D after it
     landed (the same function)."""
-    blocks = -(-tokens // BLOCK)
-    caches = [(layer, _cache(blocks + 8, heads, channels, dtype, timer.device, seed=layer))
-              for layer in range(layers)]
-    ids = list(range(4, 4 + blocks))
+    caches, ids = _request_kv(timer, layers, heads, channels, dtype, tokens)
+    blocks = len(ids)
     mib = blocks * heads * BLOCK * 2 * channels * caches[0][1].element_size() * layers / MIB
     median = timer.median(lambda: digest(caches, ids, head0=0), cold=True)
     return {"shape": name, "layers": layers, "kv_heads": heads, "channels": channels,
@@ -389,10 +396,7 @@ def tiny_request_row(timer: Timer, native: Any) -> dict[str, Any]:
     token, times a position weight, summed, read back) and (b) the whole digest in one
     native call: the fixed cost of a digest."""
     name, layers, heads, channels, dtype, tokens = REQUESTS[0]
-    blocks = -(-tokens // BLOCK)
-    caches = [(layer, _cache(blocks + 8, heads, channels, dtype, timer.device, seed=layer))
-              for layer in range(layers)]
-    block_ids = list(range(4, 4 + blocks))
+    caches, block_ids = _request_kv(timer, layers, heads, channels, dtype, tokens)
     width = 2 * channels * torch.empty((), dtype=dtype).element_size() // 4
     weights = [torch.full((heads, 1, width), 2 * layer + 1, dtype=torch.int32) for layer in range(layers)]
     positions = torch.arange(1, 2 * tokens, 2, dtype=torch.int64)

@@ -64,18 +64,22 @@ def _forge(metadata: bytes, request_id: str, wrong_secret: str | None) -> tuple[
     messages = [forged]
     if wrong_secret:
         messages.append(wrap_notif(PeerSecret(wrong_secret, 0), b"decode-0", forged))
+    forged_notifs = (agent, remote, messages)
+    _send(forged_notifs)
+    return forged_notifs
+
+
+def _send(forged: tuple[Any, str, list[bytes]]) -> None:
+    agent, remote, messages = forged
     for message in messages:
         agent.send_notif(remote, notif_msg=message)
-    return agent, remote, messages
 
 
 def _keep_sending(forged: tuple[Any, str, list[bytes]]) -> None:
     """As an attacker would, send the forged notifications again every half second until
     stdin closes (a send UCX cancels while it wires the endpoint up reaches nobody)."""
-    agent, remote, messages = forged
     while not select.select([sys.stdin], [], [], 0.5)[0]:
-        for message in messages:
-            agent.send_notif(remote, notif_msg=message)
+        _send(forged)
 
 
 class Outsider:
